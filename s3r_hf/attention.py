@@ -1,0 +1,130 @@
+"""The S3R attention function, registered with transformers' `AttentionInterface` as `"s3r"`.
+
+The HF model's own attention modules run unchanged: they project, apply RoPE, call `cache.update(...)` on the
+`S3RCache`, then call the attention function registered under `config._attn_implementation`. During an engine
+step the forward carries an `s3r_step` keyword (a `StepPlan`) that reaches this function through the model's
+`**kwargs`; without it (plain mode) the function is transformers' SDPA attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from s3r_hf.cache.s3r_cache import S3RCache, take_plain_handoff
+from s3r_hf.kernels import get_backend
+from s3r_hf.step_plan import StepPlan
+
+# Engine steps: no attention mask is built (transformers skips mask creation for implementations without a
+# registered mask function); the step plan says who attends to what.
+PACKED_ATTENTION_NAME = "s3r_packed"
+# Plain mode (transformers' own loops over an `S3RCache`): SDPA with transformers' usual SDPA masks.
+PLAIN_ATTENTION_NAME = "s3r"
+
+
+def s3r_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention for one layer: packed dense/sparse segments during engine steps, SDPA otherwise."""
+    step: StepPlan | None = kwargs.pop("s3r_step", None)
+    if step is None:
+        return _plain_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError("S3R engine steps pack all tokens into batch row 0")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    backend = get_backend(query.device)
+    cache: S3RCache = kwargs["s3r_cache"]
+    layer_idx = module.layer_idx
+    pools = cache.layers[layer_idx]
+    packed = query[0].transpose(0, 1)  # [N, Hq, D]
+    out = torch.empty_like(packed)
+    if step.dense is not None:
+        dense = step.dense
+        dense_out, _, scores = backend.paged_dense_attention(
+            packed[dense.query_index], pools.keys, pools.values, dense.block_tables, dense.cu_seqlens,
+            dense.positions, scale, dense.score_starts,
+        )
+        out[dense.query_index] = dense_out
+        if scores is not None:
+            step.candidates[layer_idx] = backend.select_topk_candidates(
+                scores, dense.history_lens, dense.num_candidates
+            )
+    if step.sparse is not None:
+        sparse = step.sparse
+        view, view_lens = cache.index_views.view(layer_idx, sparse.slots)
+        sparse_out, _ = backend.paged_sparse_attention(
+            packed[sparse.query_index], pools.keys, pools.values, sparse.block_tables, view, view_lens,
+            sparse.tail_starts, sparse.positions, scale,
+        )
+        out[sparse.query_index] = sparse_out
+    step.layers_seen.add(layer_idx)
+    return out.unsqueeze(0), None
+
+
+def _plain_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """transformers' SDPA; when an `S3RCache` records verify scores, also keep the top-K history positions."""
+    cache = take_plain_handoff(module.layer_idx)
+    kwargs.pop("s3r_cache", None)
+    output = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                    **kwargs)
+    if cache is not None and cache.score_recording:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        cache.recorded_candidates[module.layer_idx] = _plain_verify_candidates(query, key, scale, cache)
+    return output
+
+
+def _plain_verify_candidates(query: torch.Tensor, key: torch.Tensor, scale: float, cache: S3RCache) -> torch.Tensor:
+    """Top-K history positions by mean softmax weight of a (batch 1) block of queries over the full keys."""
+    backend = get_backend(query.device)
+    num_queries, context = query.shape[2], key.shape[2]
+    group = query.shape[1] // key.shape[1]
+    keys = key[0].repeat_interleave(group, dim=0).float()  # [Hq, L, D]
+    logits = torch.einsum("hnd,hkd->hnk", query[0].float(), keys) * scale
+    query_pos = torch.arange(context - num_queries, context, device=query.device)
+    future = torch.arange(context, device=query.device)[None, :] > query_pos[:, None]
+    probs = torch.softmax(logits.masked_fill(future[None], float("-inf")), dim=-1)
+    scores = probs.reshape(key.shape[1], group * num_queries, context).mean(dim=1)[None]
+    history = torch.tensor([context - num_queries], device=query.device)
+    return backend.select_topk_candidates(scores, history, cache.plain_num_candidates)
+
+
+def register() -> None:
+    """Register the S3R attention (and the plain mode's mask) with transformers (idempotent)."""
+    AttentionInterface.register(PACKED_ATTENTION_NAME, s3r_attention_forward)
+    AttentionInterface.register(PLAIN_ATTENTION_NAME, s3r_attention_forward)
+    AttentionMaskInterface.register(PLAIN_ATTENTION_NAME, sdpa_mask)
+
+
+@contextlib.contextmanager
+def s3r_attention(model: PreTrainedModel, packed: bool = True) -> Iterator[None]:
+    """Route the model's attention through S3R for the duration of the block, then restore it.
+
+    `packed=True` for engine steps (a `StepPlan` per forward), `False` for transformers' own loops.
+    """
+    register()
+    name = PACKED_ATTENTION_NAME if packed else PLAIN_ATTENTION_NAME
+    configs = {id(c): c for c in (model.config, _text_config(model.config))}.values()
+    previous = [(config, config._attn_implementation) for config in configs]
+    try:
+        for config, _ in previous:
+            config._attn_implementation = name
+        yield
+    finally:
+        for config, implementation in previous:
+            config._attn_implementation = implementation
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -1,0 +1,7 @@
+"""Paged KV storage, the `S3RCache`, and sparse index views into it."""
+
+from s3r_hf.cache.index_view import SparseIndexViews
+from s3r_hf.cache.page_allocator import KVCapacityError, PageAllocator
+from s3r_hf.cache.s3r_cache import OffloadedRequest, PagedKVLayer, S3RCache
+
+__all__ = ["KVCapacityError", "OffloadedRequest", "PageAllocator", "PagedKVLayer", "S3RCache", "SparseIndexViews"]

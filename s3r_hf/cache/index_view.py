@@ -1,0 +1,99 @@
+"""Sparse index views: per (request, layer, KV head) sorted positions into the shared paged KV storage."""
+
+from __future__ import annotations
+
+import torch
+
+# Marks an unused entry while building views; sorts after every real position.
+_UNUSED = torch.iinfo(torch.int32).max
+
+
+class SparseIndexViews:
+    """Index views of all requests of one `S3RCache`.
+
+    A view is a sorted list of committed positions of one request; the draft attention reads K/V at those
+    positions through the request's block table, so a view never copies K/V. All layers and KV heads of a
+    request share the view length (the budget depends only on the context length) but not the positions.
+
+    Storage per layer: `positions[layer]` `[max_requests, num_kv_heads, capacity]` int32 and one `lengths`
+    `[max_requests]` int32 shared by the layers.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, max_requests: int, device: torch.device) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.device = device
+        self.capacity = 0
+        self.positions = [
+            torch.zeros(max_requests, num_kv_heads, 0, dtype=torch.int32, device=device) for _ in range(num_layers)
+        ]
+        self.lengths = torch.zeros(max_requests, dtype=torch.int32, device=device)
+
+    def _ensure_capacity(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        # Grow geometrically so refreshes at growing context lengths rarely reallocate.
+        new_capacity = max(capacity, 2 * self.capacity, 64)
+        for layer, old in enumerate(self.positions):
+            grown = torch.zeros(old.shape[0], old.shape[1], new_capacity, dtype=torch.int32, device=self.device)
+            grown[..., : self.capacity] = old
+            self.positions[layer] = grown
+        self.capacity = new_capacity
+
+    def build(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        candidates: torch.Tensor,
+        history_lens: torch.Tensor,
+        context_lens: torch.Tensor,
+        budgets: torch.Tensor,
+    ) -> None:
+        """Set the views of `slots` in `layer` to `R ∪ TopK_{K-|R|}` (DESIGN §4 step 4).
+
+        Args:
+            slots: `[S]` request slots.
+            candidates: `[S, Hkv, C]` history positions in descending score order (`-1` = none).
+            history_lens: `[S]`; the recent window is `R = [history_lens, context_lens)`.
+            context_lens: `[S]` committed length `|C|` after the refresh.
+            budgets: `[S]` view size `K` (`<= context_lens`).
+        """
+        device = candidates.device
+        history_lens, context_lens, budgets = (t.to(device).long() for t in (history_lens, context_lens, budgets))
+        recent_len = torch.minimum(context_lens - history_lens, budgets)  # [S]
+        top_len = budgets - recent_len  # [S]
+        width = int(budgets.max()) if budgets.numel() else 0
+        self._ensure_capacity(width)
+        num_candidates = candidates.shape[-1]
+
+        # Top part: the first `top_len` candidates of each row.
+        cand_idx = torch.arange(num_candidates, device=device)
+        cand_ok = (cand_idx[None, :] < top_len[:, None])[:, None, :] & (candidates >= 0)
+        top = torch.where(cand_ok, candidates, torch.full_like(candidates, _UNUSED))
+        # Recent part: the last `recent_len` positions before `context_lens` (at most the whole window).
+        offsets = torch.arange(width, device=device)
+        recent_pos = context_lens[:, None] - recent_len[:, None] + offsets[None, :]
+        recent = torch.where(offsets[None, :] < recent_len[:, None], recent_pos, torch.full_like(recent_pos, _UNUSED))
+        recent = recent[:, None, :].expand(-1, self.num_kv_heads, -1).to(torch.int32)
+        merged = torch.sort(torch.cat([top, recent], dim=-1), dim=-1).values[..., :width]
+        short = (merged == _UNUSED) & (offsets[None, None, :] < budgets[:, None, None])
+        if bool(short.any()):  # the caller asked for fewer candidates than the budget needs
+            raise RuntimeError("index view refresh has fewer candidate positions than its budget")
+        self.positions[layer][slots.long(), :, :width] = merged
+        if layer == 0:
+            self.lengths[slots.long()] = budgets.to(torch.int32)
+
+    def set_full(self, slots: torch.Tensor, context_lens: torch.Tensor) -> None:
+        """Views covering the whole context (used when the budget is the whole context)."""
+        width = int(context_lens.max()) if context_lens.numel() else 0
+        self._ensure_capacity(width)
+        positions = torch.arange(width, device=self.device, dtype=torch.int32)
+        for layer in range(self.num_layers):
+            self.positions[layer][slots.long(), :, :width] = positions
+        self.lengths[slots.long()] = context_lens.to(torch.int32)
+
+    def view(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(positions [S, Hkv, width], lengths [S])` of `slots` in `layer`; entries past a length are stale."""
+        lengths = self.lengths[slots.long()]
+        width = int(lengths.max()) if lengths.numel() else 0
+        return self.positions[layer][slots.long(), :, :width], lengths

@@ -1,0 +1,315 @@
+"""`S3RCache`: a transformers `Cache` over paged K/V storage, shared by sparse drafting and dense verification."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from s3r_hf.cache.index_view import SparseIndexViews
+from s3r_hf.cache.page_allocator import KVCapacityError, PageAllocator
+
+# Plain-mode handoff (see `S3RCache.update`): the attention function of the same layer, called right after
+# `update` on the same thread, picks up which cache and layer it serves. Packed engine steps do not use it.
+_plain_handoff = threading.local()
+
+
+def take_plain_handoff(layer_idx: int) -> S3RCache | None:
+    """The `S3RCache` whose plain-mode `update` for `layer_idx` just ran on this thread, if any (consumed)."""
+    handoff = getattr(_plain_handoff, "value", None)
+    _plain_handoff.value = None
+    if handoff is not None and handoff[1] == layer_idx:
+        return handoff[0]
+    return None
+
+
+class PagedKVLayer(CacheLayerMixin):
+    """One layer's K and V page pools, `[num_pages, page_size, num_kv_heads, head_dim]` each.
+
+    Bookkeeping (block tables, lengths) is shared by all layers and lives on the owning `S3RCache`.
+    """
+
+    is_croppable = True
+
+    def __init__(self, cache: S3RCache, layer_idx: int, key_pool: torch.Tensor, value_pool: torch.Tensor) -> None:
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.keys = key_pool
+        self.values = value_pool
+        self.is_initialized = True
+        self.device = key_pool.device
+        self.dtype = key_pool.dtype
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Pools are allocated eagerly by `S3RCache`; nothing to do."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.cache.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys.zero_()
+        self.values.zero_()
+
+
+@dataclass
+class OffloadedRequest:
+    """K/V of one paused request, copied to host memory; restored page by page into new pages."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int
+
+    @property
+    def num_pages(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+
+class S3RCache(Cache):
+    """Paged KV cache for S3R, usable as a transformers `Cache`.
+
+    Every request owns a *slot*: a block table (list of page ids) and a length. All layers share the block
+    tables; page `p` of a slot addresses the same page in every layer's pool. Rolling back a request is a length
+    change that frees the pages it no longer reaches. Sparse index views (`self.index_views`) are sorted
+    positions into the same storage.
+
+    Two ways of use:
+    - **engine steps**: the engine sets `self.step` (a `StepPlan`) for one packed forward; `update` writes the
+      new K/V at the plan's slots and the S3R attention function reads the pools directly.
+    - **plain mode** (`self.step is None`): a batch of `B` rows behaves like `DynamicCache` (row `b` is slot
+      `b`); `update` appends and returns the full K/V, so transformers' own loops (assisted decoding) work.
+
+    Args:
+        config: the model config (layers, KV heads, head dim).
+        num_pages: pages per layer pool.
+        page_size: tokens per page.
+        max_requests: most slots alive at once.
+        dtype, device: of the pools.
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        num_pages: int,
+        page_size: int = 16,
+        max_requests: int = 64,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.num_layers = text_config.num_hidden_layers
+        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        self.head_dim = getattr(text_config, "head_dim", None) or (
+            text_config.hidden_size // text_config.num_attention_heads
+        )
+        self.page_size = page_size
+        self.max_requests = max_requests
+        self.device = torch.device(device)
+        self.dtype = dtype
+        pool_shape = (num_pages, page_size, self.num_kv_heads, self.head_dim)
+        layers = [
+            PagedKVLayer(
+                self,
+                idx,
+                torch.zeros(pool_shape, dtype=dtype, device=self.device),
+                torch.zeros(pool_shape, dtype=dtype, device=self.device),
+            )
+            for idx in range(self.num_layers)
+        ]
+        super().__init__(layers=layers)
+        self.allocator = PageAllocator(num_pages)
+        self.page_lists: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+        self._free_slots = list(range(max_requests - 1, -1, -1))
+        self.index_views = SparseIndexViews(self.num_layers, self.num_kv_heads, max_requests, self.device)
+        self.step = None  # the StepPlan of the forward in flight, if any
+        self.score_recording = False  # plain mode: record verify scores for the index-view refresh
+        self.recorded_candidates: dict[int, torch.Tensor] = {}
+        self.plain_num_candidates = 0
+
+    # ---------------------------------------------------------------- slots and pages
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    def pages_for(self, length: int) -> int:
+        return -(-length // self.page_size)
+
+    def add_request(self) -> int:
+        """Open an empty slot and return its id."""
+        if not self._free_slots:
+            raise KVCapacityError(f"S3RCache has no free request slot (max_requests={self.max_requests})")
+        slot = self._free_slots.pop()
+        self.page_lists[slot] = []
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Free a slot and all its pages."""
+        self.allocator.free(self.page_lists.pop(slot))
+        del self.lengths[slot]
+        self._free_slots.append(slot)
+
+    def reserve(self, slot: int, length: int) -> None:
+        """Make sure `slot` has pages for `length` tokens (does not change its length)."""
+        pages = self.page_lists[slot]
+        missing = self.pages_for(length) - len(pages)
+        if missing > 0:
+            pages.extend(self.allocator.allocate(missing))
+
+    def set_length(self, slot: int, length: int) -> None:
+        """Set the valid length of `slot`; shrinking rolls back and frees pages beyond the new length."""
+        pages = self.page_lists[slot]
+        if length > len(pages) * self.page_size:
+            raise ValueError(f"slot {slot}: length {length} exceeds its {len(pages)} reserved pages")
+        keep = self.pages_for(length)
+        if keep < len(pages):
+            self.allocator.free(pages[keep:])
+            del pages[keep:]
+        self.lengths[slot] = length
+
+    def block_tables(self, slots: list[int]) -> torch.Tensor:
+        """`[len(slots), max_pages]` int32 block tables (unused entries 0)."""
+        width = max((len(self.page_lists[s]) for s in slots), default=0)
+        table = torch.zeros(len(slots), max(width, 1), dtype=torch.int32)
+        for row, slot in enumerate(slots):
+            pages = self.page_lists[slot]
+            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        return table.to(self.device)
+
+    def flat_indices(self, slot: int, positions: range) -> list[int]:
+        """Flat pool row (`page * page_size + offset`) of each position of `slot`."""
+        pages, size = self.page_lists[slot], self.page_size
+        return [pages[p // size] * size + p % size for p in positions]
+
+    @property
+    def utilization(self) -> float:
+        return self.allocator.num_used / self.allocator.num_pages
+
+    # ---------------------------------------------------------------- offload
+    def offload(self, slot: int) -> OffloadedRequest:
+        """Copy a slot's K/V to host memory and free its pages; the slot itself stays reserved."""
+        pages = torch.tensor(self.page_lists[slot], dtype=torch.long, device=self.device)
+        pin = self.device.type == "cuda"
+        keys = [self._to_host(layer.keys[pages], pin) for layer in self.layers]
+        values = [self._to_host(layer.values[pages], pin) for layer in self.layers]
+        saved = OffloadedRequest(keys=keys, values=values, length=self.lengths[slot])
+        self.allocator.free(self.page_lists[slot])
+        self.page_lists[slot] = []
+        self.lengths[slot] = 0
+        return saved
+
+    @staticmethod
+    def _to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+        host.copy_(tensor, non_blocking=pin)
+        return host
+
+    def restore(self, slot: int, saved: OffloadedRequest) -> None:
+        """Bring an offloaded slot back into (newly allocated) pages; raises `KVCapacityError` if none fit."""
+        pages = self.allocator.allocate(saved.num_pages)
+        index = torch.tensor(pages, dtype=torch.long, device=self.device)
+        for layer, keys, values in zip(self.layers, saved.keys, saved.values):
+            layer.keys[index] = keys.to(self.device, non_blocking=True)
+            layer.values[index] = values.to(self.device, non_blocking=True)
+        self.page_lists[slot] = pages
+        self.lengths[slot] = saved.length
+
+    # ---------------------------------------------------------------- the transformers Cache API
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write this forward's K/V (`[B, Hkv, T, D]`).
+
+        During an engine step the tokens go to the plan's pool rows and the inputs are returned unchanged (the
+        S3R attention reads the pools). In plain mode row `b` appends to slot `b` and the full K/V of every row
+        is returned, as `DynamicCache` does.
+        """
+        layer = self.layers[layer_idx]
+        if self.step is not None:
+            rows = self.step.write_index
+            flat_keys = layer.keys.view(-1, self.num_kv_heads, self.head_dim)
+            flat_values = layer.values.view(-1, self.num_kv_heads, self.head_dim)
+            flat_keys.index_copy_(0, rows, key_states[0].transpose(0, 1).to(layer.dtype))
+            flat_values.index_copy_(0, rows, value_states[0].transpose(0, 1).to(layer.dtype))
+            return key_states, value_states
+        return self._plain_update(key_states, value_states, layer_idx)
+
+    def _plain_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        batch, _, new, _ = key_states.shape
+        if layer_idx == 0:
+            for row in range(batch):
+                if row not in self.lengths:
+                    if self._free_slots and self._free_slots[-1] == row:
+                        self.add_request()
+                    else:
+                        raise ValueError("plain-mode S3RCache rows must be slots 0..B-1 opened in order")
+                self.reserve(row, self.lengths[row] + new)
+                self.lengths[row] += new
+        layer = self.layers[layer_idx]
+        length = self.lengths[0]
+        positions = range(length - new, length)
+        rows = torch.tensor(
+            [self.flat_indices(row, positions) for row in range(batch)], dtype=torch.long, device=self.device
+        )
+        flat_keys = layer.keys.view(-1, self.num_kv_heads, self.head_dim)
+        flat_values = layer.values.view(-1, self.num_kv_heads, self.head_dim)
+        flat_keys[rows] = key_states.transpose(1, 2).to(layer.dtype)
+        flat_values[rows] = value_states.transpose(1, 2).to(layer.dtype)
+        everything = torch.tensor(
+            [self.flat_indices(row, range(length)) for row in range(batch)], dtype=torch.long, device=self.device
+        )
+        _plain_handoff.value = (self, layer_idx)
+        return flat_keys[everything].transpose(1, 2), flat_values[everything].transpose(1, 2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Plain-mode length (slot 0's); engine steps carry explicit positions instead."""
+        return self.lengths.get(0, 0)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def crop(self, max_length: int) -> None:
+        """transformers' rollback: a negative value removes that many tokens, a positive one keeps that many."""
+        for slot, length in list(self.lengths.items()):
+            target = length + max_length if max_length < 0 else min(length, max_length)
+            self.set_length(slot, max(target, 0))
+
+    def reset(self) -> None:
+        for slot in list(self.lengths):
+            self.release(slot)
+        self.recorded_candidates.clear()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("S3RCache does not support beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("S3RCache does not support batch_repeat_interleave (beam search / contrastive)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("S3RCache does not support batch_select_indices (beam search / contrastive)")
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)

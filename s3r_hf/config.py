@@ -1,0 +1,135 @@
+"""`S3RConfig`: the knobs of Self-Sparse Speculative Rollouts, with the paper's defaults."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass
+class S3RConfig:
+    """Configuration of S3R generation.
+
+    Defaults follow the paper (S3R §C.2 and Appendix B): six drafted tokens per round, a sparse KV budget of
+    5% of the context with at least 192 positions, and the KV-aware AIMD scheduler's constants.
+
+    Args:
+        draft_len (`int`, defaults to 6):
+            Tokens the sparse drafter proposes per round (`k`); the correction or bonus token is extra.
+        budget_ratio (`float`, defaults to 0.05):
+            Fraction `s` of a request's committed context that each (layer, KV head) index view keeps.
+        min_budget (`int`, defaults to 192):
+            Lower bound `K_min` on the index-view size; a context shorter than this is drafted densely.
+        page_size (`int`, defaults to 16):
+            Tokens per KV page.
+        num_pages (`int`, *optional*):
+            KV pages per layer. `None` sizes the pool for the call (all requests at full length).
+        prefill_chunk_size (`int`, defaults to 2048):
+            Most prompt tokens packed into one forward during prefill.
+        concurrency_min / concurrency_max (`int`, defaults to 160 / 256):
+            AIMD bounds `(C_min, C_max)` on concurrently running requests.
+        concurrency_step (`int`, defaults to 5):
+            Additive increase `delta` of the concurrency limit.
+        concurrency_backoff (`float`, defaults to 0.7):
+            Multiplicative decrease `beta` of the concurrency limit.
+        utilization_low / utilization_high (`float`, defaults to 0.8 / 0.95):
+            KV-utilisation thresholds `(u_low, u_high)` of the AIMD rule.
+        restore_backlog_threshold (`int`, defaults to 3):
+            Restore backlog `O_th` above which the limit backs off.
+        return_logprobs (`bool`, defaults to `False`):
+            Return the dense log-probability (under the processed target distribution) of every generated token.
+        seed (`int`, *optional*):
+            Seed of the `torch.Generator` behind drafting, acceptance and residual sampling. `None` draws from
+            torch's global generator state.
+    """
+
+    draft_len: int = 6
+    budget_ratio: float = 0.05
+    min_budget: int = 192
+    page_size: int = 16
+    num_pages: int | None = None
+    prefill_chunk_size: int = 2048
+    concurrency_min: int = 160
+    concurrency_max: int = 256
+    concurrency_step: int = 5
+    concurrency_backoff: float = 0.7
+    utilization_low: float = 0.8
+    utilization_high: float = 0.95
+    restore_backlog_threshold: int = 3
+    return_logprobs: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `ValueError` naming the first field outside its allowed range."""
+        _check_int(self, "draft_len", low=1, high=64)
+        _check_float(self, "budget_ratio", low=0.0, high=1.0, low_open=True)
+        _check_int(self, "min_budget", low=1)
+        _check_int(self, "page_size", low=1, high=1024)
+        if self.num_pages is not None:
+            _check_int(self, "num_pages", low=1)
+        _check_int(self, "prefill_chunk_size", low=1)
+        _check_int(self, "concurrency_min", low=1)
+        _check_int(self, "concurrency_max", low=self.concurrency_min)
+        _check_int(self, "concurrency_step", low=0)
+        _check_float(self, "concurrency_backoff", low=0.0, high=1.0, low_open=True, high_open=True)
+        _check_float(self, "utilization_low", low=0.0, high=1.0)
+        _check_float(self, "utilization_high", low=self.utilization_low, high=1.0)
+        _check_int(self, "restore_backlog_threshold", low=0)
+        if not isinstance(self.return_logprobs, bool):
+            raise ValueError(f"S3RConfig.return_logprobs must be a bool, got {self.return_logprobs!r}")
+        if self.seed is not None:
+            _check_int(self, "seed", low=0)
+
+    def budget(self, context_len: int) -> int:
+        """Index-view size `K = min(|C|, max(min_budget, ceil(budget_ratio * |C|)))` for a context of `|C|`."""
+        return min(context_len, max(self.min_budget, math.ceil(self.budget_ratio * context_len)))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> S3RConfig:
+        """Build from a plain dict (as found in a `GRPOConfig` or a JSON file); unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"Unknown S3RConfig field(s) {unknown}; known fields are {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def coerce(cls, value: S3RConfig | dict[str, Any] | None) -> S3RConfig:
+        """Accept an `S3RConfig`, a dict of its fields, or `None` (the defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            value.validate()
+            return value
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        raise ValueError(f"s3r_config must be an S3RConfig or a dict, got {type(value).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _check_int(config: S3RConfig, name: str, low: int, high: int | None = None) -> None:
+    value = getattr(config, name)
+    allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"S3RConfig.{name} must be {allowed}, got {value!r}")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"S3RConfig.{name} must be {allowed}, got {value}")
+
+
+def _check_float(
+    config: S3RConfig, name: str, low: float, high: float, low_open: bool = False, high_open: bool = False
+) -> None:
+    value = getattr(config, name)
+    allowed = f"a number in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"S3RConfig.{name} must be {allowed}, got {value!r}")
+    too_low = value <= low if low_open else value < low
+    too_high = value >= high if high_open else value > high
+    if too_low or too_high:
+        raise ValueError(f"S3RConfig.{name} must be {allowed}, got {value}")

@@ -1,0 +1,386 @@
+"""`S3REngine`: prefill, sparse drafting, dense verification and exact sampling over many requests.
+
+Stages run in lockstep (all running requests draft, then all verify); every forward packs the requests'
+tokens into one varlen batch described by a `StepPlan`, so mixed-stage steps can come later without a rewrite.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, StoppingCriteriaList
+from transformers.utils import logging
+
+from s3r_hf.attention import s3r_attention
+from s3r_hf.cache.page_allocator import KVCapacityError
+from s3r_hf.cache.s3r_cache import S3RCache
+from s3r_hf.config import S3RConfig
+from s3r_hf.logits import RaggedLogitsProcessor
+from s3r_hf.request import Request, RequestStatus
+from s3r_hf.sampler import sample_from_scores, speculative_accept
+from s3r_hf.scheduler import AIMDConcurrency
+from s3r_hf.stats import S3RStats
+from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
+from s3r_hf.validation import UnsupportedModelError
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class SamplingSetup:
+    """How tokens are chosen and when a response stops, as prepared by `generate`."""
+
+    logits_processor: RaggedLogitsProcessor
+    greedy: bool
+    eos_token_ids: set[int]
+    stopping_criteria: StoppingCriteriaList  # criteria other than max length and EOS, checked per token
+    generator: torch.Generator | None
+    output_scores: bool = False
+    output_logits: bool = False
+
+
+class S3REngine:
+    """Runs a batch of `Request`s to completion with S3R.
+
+    Args:
+        model: the causal LM (its own modules do everything but attention).
+        config: the S3R configuration.
+        sampling: logits processors, greedy/sample, stop rules, random generator.
+        cache: the `S3RCache` to use (sized by the caller).
+        unverified_drafts: diagnostic only, NOT exact: commit the sparse drafter's tokens without the
+            acceptance test (what a plain sparse rollout samples). Used to show the exactness test has power.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: S3RConfig,
+        sampling: SamplingSetup,
+        cache: S3RCache,
+        unverified_drafts: bool = False,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.sampling = sampling
+        self.cache = cache
+        self.unverified_drafts = unverified_drafts
+        self.device = cache.device
+        self.stats = S3RStats()
+        self.concurrency = AIMDConcurrency(config)
+        self.num_layers = cache.num_layers
+        parameters = inspect.signature(model.forward).parameters
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self._supports_logits_to_keep = "logits_to_keep" in parameters
+        self.offload_episodes = 0
+        self.pages_offloaded = 0
+
+    # ================================================================ scheduling
+    def run(self, requests: list[Request]) -> S3RStats:
+        """Generate until every request finishes; requests are filled in place."""
+        for request in requests:
+            self._check_fits_alone(request)
+        waiting = deque(requests)
+        running: list[Request] = []
+        paused: deque[Request] = deque()
+        with s3r_attention(self.model, packed=True):
+            while waiting or running or paused:
+                self._restore_and_admit(waiting, running, paused)
+                prefilling = [r for r in running if r.prefilled < r.prompt_len]
+                if prefilling:
+                    self._prefill_step(prefilling)
+                else:
+                    self._make_room_for_round(running, paused)
+                    self._round(running)
+                for request in [r for r in running if r.status is RequestStatus.FINISHED]:
+                    running.remove(request)
+                    self.cache.release(request.slot)
+                    request.slot = None
+                self.concurrency.update(self.cache.utilization, len(paused))
+        return self.stats
+
+    def _pages_needed(self, request: Request) -> int:
+        """Pages for the request's context plus one full round."""
+        return self.cache.pages_for(request.kv_tokens + self.config.draft_len + 1)
+
+    def _check_fits_alone(self, request: Request) -> None:
+        longest = request.prompt_len + request.max_new_tokens + self.config.draft_len + 1
+        if self.cache.pages_for(longest) > self.cache.num_pages:
+            raise KVCapacityError(
+                f"KV capacity too small for one request: a prompt of {request.prompt_len} tokens with "
+                f"max_new_tokens={request.max_new_tokens} needs {self.cache.pages_for(longest)} pages of "
+                f"{self.cache.page_size} tokens, the cache has {self.cache.num_pages}"
+            )
+
+    def _restore_and_admit(self, waiting: deque, running: list, paused: deque) -> None:
+        """Restore paused requests first, then admit new ones, under the concurrency limit and KV capacity."""
+        while paused and len(running) < self.concurrency.limit:
+            request = paused[0]
+            if self.cache.allocator.num_free < self._pages_needed(request):
+                break
+            paused.popleft()
+            self.cache.restore(request.slot, request.offloaded)
+            request.offloaded = None
+            request.status = RequestStatus.RUNNING
+            running.append(request)
+        if paused:
+            return
+        available = self.cache.allocator.num_free
+        while waiting and len(running) < self.concurrency.limit:
+            request = waiting[0]
+            needed = self._pages_needed_for_prompt(request)
+            if running and available < needed:
+                break
+            available -= needed
+            waiting.popleft()
+            request.slot = self.cache.add_request()
+            request.status = RequestStatus.RUNNING
+            running.append(request)
+
+    def _pages_needed_for_prompt(self, request: Request) -> int:
+        return self.cache.pages_for(request.prompt_len + self.config.draft_len + 1)
+
+    def _make_room_for_round(self, running: list[Request], paused: deque) -> None:
+        """Reserve every running request's block; pause (offload) the smallest requests until it fits."""
+        while True:
+            needed = sum(
+                max(0, self.cache.pages_for(r.committed + self._draft_count(r) + 1) - len(self.cache.page_lists[r.slot]))
+                for r in running
+            )
+            if needed <= self.cache.allocator.num_free:
+                break
+            if len(running) == 1:
+                raise KVCapacityError("KV capacity too small for one request's next round")
+            victim = min(running, key=lambda r: r.kv_tokens)
+            running.remove(victim)
+            self.pages_offloaded += len(self.cache.page_lists[victim.slot])
+            self.offload_episodes += 1
+            victim.offloaded = self.cache.offload(victim.slot)
+            victim.status = RequestStatus.PAUSED
+            paused.append(victim)
+            logger.info("paused request %d (%d KV tokens) under KV pressure", victim.row, victim.kv_tokens)
+        for request in running:
+            self.cache.reserve(request.slot, request.committed + self._draft_count(request) + 1)
+
+    # ================================================================ forward
+    def _forward(self, input_ids: list[int], plan: StepPlan, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """One packed forward; returns float logits of the kept rows (all rows when `keep` is None)."""
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]
+        kwargs = {self._cache_argument: self.cache}
+        if keep is not None and self._supports_logits_to_keep:
+            kwargs["logits_to_keep"] = keep
+        self.cache.step = plan
+        try:
+            output = self.model(
+                input_ids=ids, position_ids=plan.position_ids, use_cache=True, s3r_step=plan,
+                s3r_cache=self.cache, **kwargs,
+            )
+        finally:
+            self.cache.step = None
+        if len(plan.layers_seen) != self.num_layers:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}: only {len(plan.layers_seen)} of {self.num_layers} layers called the "
+                "attention function registered with transformers' AttentionInterface; S3R needs every layer's "
+                "attention to go through `cache.update` and `ALL_ATTENTION_FUNCTIONS`"
+            )
+        logits = output.logits[0]
+        if keep is not None and not self._supports_logits_to_keep:
+            logits = logits[keep]
+        return logits.float()
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    # ================================================================ prefill
+    def _prefill_step(self, requests: list[Request]) -> None:
+        """Pack prompt chunks (up to `prefill_chunk_size` tokens); finish prompts sample their first token."""
+        budget = self.config.prefill_chunk_size
+        block = self.config.draft_len + 1
+        tokens, write, positions, cu, scored, history, chunks = [], [], [], [0], [], [], []
+        for request in requests:
+            if budget == 0:
+                break
+            start = request.prefilled
+            end = min(request.prompt_len, start + budget)
+            budget -= end - start
+            self.cache.reserve(request.slot, end)
+            tokens += request.prompt_ids[start:end].tolist()
+            write += self.cache.flat_indices(request.slot, range(start, end))
+            positions += list(range(start, end))
+            cu.append(len(tokens))
+            final = end == request.prompt_len
+            # The final chunk's last `draft_len + 1` queries score the prompt for the first index view.
+            first_scored = max(0, (end - start) - block) if final else -1
+            scored.append(first_scored)
+            history.append(start + first_scored if final else 0)
+            chunks.append((request, start, end, final))
+        num_candidates = max(self.config.budget(r.prompt_len) for r, *_ in chunks)
+        dense = DenseSegments(
+            query_index=torch.arange(len(tokens), device=self.device),
+            cu_seqlens=self._tensor(cu),
+            positions=self._tensor(positions),
+            block_tables=self.cache.block_tables([r.slot for r, *_ in chunks]),
+            score_starts=self._tensor(scored),
+            history_lens=self._tensor(history),
+            num_candidates=num_candidates,
+        )
+        plan = StepPlan(write_index=self._tensor(write), position_ids=dense.positions[None], dense=dense)
+        finals = [i for i, (_, _, _, final) in enumerate(chunks) if final]
+        keep = self._tensor([cu[i + 1] - 1 for i in finals])
+        logits = self._forward(tokens, plan, keep=keep)
+        for request, _, end, _ in chunks:
+            request.prefilled = end
+            self.cache.set_length(request.slot, end)
+        self.stats.prefill_tokens += len(tokens)
+        if not finals:
+            return
+        finished = [chunks[i][0] for i in finals]
+        scores = self.sampling.logits_processor([r.history for r in finished], logits)
+        first_tokens = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator)
+        for row, request in enumerate(finished):
+            request.committed = request.prompt_len
+            self._commit(request, int(first_tokens[row]), scores[row], logits[row])
+        self._refresh_views(plan, finals, finished, [r.prompt_len for r in finished])
+
+    # ================================================================ one S3R round
+    def _draft_count(self, request: Request) -> int:
+        """Drafts this round: `max_new_tokens` shortens the last block (the round adds drafts + 1 tokens)."""
+        if self.unverified_drafts:
+            return min(self.config.draft_len, request.remaining)
+        return max(0, min(self.config.draft_len, request.remaining - 1))
+
+    def _round(self, requests: list[Request]) -> None:
+        if not requests:
+            return
+        draft_counts = [self._draft_count(r) for r in requests]
+        max_drafts = max(draft_counts, default=0)
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        draft_tokens = torch.zeros(len(requests), max(max_drafts, 1), dtype=torch.long, device=self.device)
+        draft_scores = torch.zeros(len(requests), max(max_drafts, 1), vocab, device=self.device)
+        for step in range(max_drafts):
+            rows = [i for i, k in enumerate(draft_counts) if k > step]
+            self._draft_pass(step, [requests[i] for i in rows], rows, draft_tokens, draft_scores)
+        plan, logits, target_scores = self._verify(requests, draft_counts, draft_tokens)
+        num_drafts = self._tensor(draft_counts)
+        if self.unverified_drafts:
+            num_accepted = (num_drafts - 1).clamp(min=0)
+            next_tokens = draft_tokens[torch.arange(len(requests)), num_accepted]
+        else:
+            result = speculative_accept(
+                draft_tokens[:, :max_drafts], draft_scores[:, :max_drafts], target_scores, num_drafts,
+                self.sampling.greedy, self.sampling.generator,
+            )
+            num_accepted, next_tokens = result.num_accepted, result.next_tokens
+        accepted_list = num_accepted.tolist()
+        next_list = next_tokens.tolist()
+        committed_counts = []
+        for row, request in enumerate(requests):
+            context = request.committed
+            proposals = draft_tokens[row, : accepted_list[row]].tolist() + [next_list[row]]
+            count = 0
+            for offset, token in enumerate(proposals):
+                count += 1
+                if self._commit(request, token, target_scores[row, offset], logits[row][offset]):
+                    break
+            committed_counts.append(count)
+            # K/V of the pending token and the accepted drafts are now dense and valid; the rest is discarded.
+            request.committed = context + accepted_list[row] + 1
+            self.cache.set_length(request.slot, request.committed)
+        self.stats.record_round(draft_counts, accepted_list, committed_counts)
+        alive = [i for i, r in enumerate(requests) if r.status is not RequestStatus.FINISHED]
+        self._refresh_views(plan, alive, [requests[i] for i in alive], [requests[i].committed for i in alive])
+
+    def _draft_pass(self, step: int, requests: list[Request], rows: list[int], draft_tokens, draft_scores) -> None:
+        """Draft token `step + 1` for each request with sparse attention over its index view."""
+        tokens, write, positions = [], [], []
+        for request, row in zip(requests, rows):
+            position = request.committed + step
+            tokens.append(request.pending if step == 0 else int(draft_tokens[row, step - 1]))
+            write += self.cache.flat_indices(request.slot, [position])
+            positions.append(position)
+        position_tensor = self._tensor(positions)
+        sparse = SparseQueries(
+            query_index=torch.arange(len(tokens), device=self.device),
+            slots=self._tensor([r.slot for r in requests]),
+            block_tables=self.cache.block_tables([r.slot for r in requests]),
+            tail_starts=self._tensor([r.committed for r in requests]),
+            positions=position_tensor,
+        )
+        plan = StepPlan(write_index=self._tensor(write), position_ids=position_tensor[None], sparse=sparse)
+        logits = self._forward(tokens, plan)
+        histories = [r.tokens[: r.length + step] for r in requests]
+        scores = self.sampling.logits_processor(histories, logits)
+        drafts = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator)
+        index = self._tensor(rows)
+        draft_tokens[index, step] = drafts
+        draft_scores[index, step] = scores
+        for request, token in zip(requests, drafts.tolist()):
+            # Provisional: logits processors of later positions must see the drafted prefix.
+            request.tokens[request.length + step] = token
+
+    def _verify(self, requests: list[Request], draft_counts: list[int], draft_tokens: torch.Tensor):
+        """Dense forward over `[pending, d_1..d_k]` of every request; overwrites the drafts' provisional K/V."""
+        tokens, write, positions, cu, history = [], [], [], [0], []
+        for row, (request, count) in enumerate(zip(requests, draft_counts)):
+            context = request.committed
+            tokens += [request.pending] + draft_tokens[row, :count].tolist()
+            write += self.cache.flat_indices(request.slot, range(context, context + count + 1))
+            positions += list(range(context, context + count + 1))
+            cu.append(len(tokens))
+            history.append(context)
+        num_candidates = max(self.config.budget(r.committed + k + 1) for r, k in zip(requests, draft_counts))
+        dense = DenseSegments(
+            query_index=torch.arange(len(tokens), device=self.device),
+            cu_seqlens=self._tensor(cu),
+            positions=self._tensor(positions),
+            block_tables=self.cache.block_tables([r.slot for r in requests]),
+            score_starts=torch.zeros(len(requests), dtype=torch.long, device=self.device),
+            history_lens=self._tensor(history),
+            num_candidates=num_candidates,
+        )
+        plan = StepPlan(write_index=self._tensor(write), position_ids=dense.positions[None], dense=dense)
+        logits = self._forward(tokens, plan)
+        histories = [
+            r.tokens[: r.length + offset] for r, count in zip(requests, draft_counts) for offset in range(count + 1)
+        ]
+        flat_scores = self.sampling.logits_processor(histories, logits)
+        width = max(draft_counts) + 1
+        target_scores = torch.zeros(len(requests), width, flat_scores.shape[-1], device=self.device)
+        per_request_logits = []
+        for row, count in enumerate(draft_counts):
+            target_scores[row, : count + 1] = flat_scores[cu[row] : cu[row + 1]]
+            per_request_logits.append(logits[cu[row] : cu[row + 1]])
+        return plan, per_request_logits, target_scores
+
+    # ================================================================ commit and refresh
+    def _commit(self, request: Request, token: int, scores: torch.Tensor, logits: torch.Tensor) -> bool:
+        """Append one generated token; returns True when the request stops on it."""
+        request.append(token)
+        request.pending = token
+        if self.sampling.output_scores:
+            request.scores.append(scores.detach().clone())
+        if self.sampling.output_logits:
+            request.raw_logits.append(logits.detach().clone())
+        if self.config.return_logprobs:
+            request.logprobs.append(float(torch.log_softmax(scores.float(), dim=-1)[token]))
+        stop = token in self.sampling.eos_token_ids or request.remaining <= 0
+        if not stop and len(self.sampling.stopping_criteria) > 0:
+            stop = bool(self.sampling.stopping_criteria(request.history[None], scores[None]).any())
+        if stop:
+            request.status = RequestStatus.FINISHED
+        return stop
+
+    def _refresh_views(self, plan: StepPlan, segments: list[int], requests: list[Request], contexts: list[int]):
+        """New index views `R ∪ TopK` from the scores the dense forward recorded (DESIGN §4 step 4)."""
+        if not requests:
+            return
+        seg_index = self._tensor(segments)
+        slots = self._tensor([r.slot for r in requests])
+        history = plan.dense.history_lens[seg_index]
+        context_lens = self._tensor(contexts)
+        budgets = self._tensor([self.config.budget(c) for c in contexts])
+        for layer in range(self.num_layers):
+            candidates = plan.candidates[layer][seg_index]
+            self.cache.index_views.build(layer, slots, candidates, history, context_lens, budgets)

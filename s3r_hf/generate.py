@@ -1,0 +1,203 @@
+"""Entry points: `generate` (a transformers `custom_generate` decoding method) and `enable(model)`."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.utils import logging
+
+from s3r_hf.cache.s3r_cache import S3RCache
+from s3r_hf.config import S3RConfig
+from s3r_hf.engine import S3REngine, SamplingSetup
+from s3r_hf.logits import RaggedLogitsProcessor
+from s3r_hf.request import Request
+from s3r_hf.stats import S3RStats
+from s3r_hf.validation import (
+    check_generation_config,
+    check_model_supported,
+    check_prompt_lengths,
+    context_window,
+    prompt_rows,
+)
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class S3RGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus what S3R measured.
+
+    Args:
+        s3r_stats: drafted/accepted counts, acceptance rate, τ, per-position acceptance.
+        logprobs: `[batch, generated]` dense log-probability of each generated token under the processed target
+            distribution (what the token was sampled from); `0` after a row finished. Only with
+            `S3RConfig(return_logprobs=True)`.
+    """
+
+    s3r_stats: S3RStats | None = None
+    logprobs: torch.Tensor | None = None
+
+
+def generate(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer: Any = None,
+    s3r_config: S3RConfig | dict | None = None,
+    s3r_unverified_drafts: bool = False,
+    **model_kwargs,
+) -> S3RGenerateOutput | torch.LongTensor:
+    """S3R decoding method for `model.generate(..., custom_generate=s3r_hf.generate, s3r_config=...)`.
+
+    transformers prepares everything as for its own decoding methods (generation config, expanded
+    `num_return_sequences` rows, logits processors, stopping criteria); this function replaces the decoding
+    loop with S3R's draft–verify–exact-sample rounds. The result is distributed exactly as the dense model's
+    `generate` output, and greedy results are token-identical up to floating-point ties.
+
+    `s3r_unverified_drafts=True` is a diagnostic that commits the sparse drafter's tokens without verification
+    (not exact); it exists to show that the exactness tests can tell the difference.
+    """
+    config = S3RConfig.coerce(s3r_config)
+    check_model_supported(model)
+    check_generation_config(generation_config)
+    if streamer is not None:
+        raise ValueError("S3R does not support streamers yet (tokens are committed in blocks)")
+    if synced_gpus:
+        raise ValueError("S3R does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation) yet")
+
+    attention_mask = model_kwargs.get("attention_mask")
+    prompts = prompt_rows(input_ids, attention_mask)
+    check_prompt_lengths(model, prompts)
+
+    device = model.device
+    greedy = not generation_config.do_sample
+    generator = torch.Generator(device=device)
+    if config.seed is not None:
+        generator.manual_seed(config.seed)
+    else:  # follow torch's global seed, as `generate` does
+        generator.manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+
+    eos = generation_config._eos_token_tensor
+    eos_ids = set(eos.flatten().tolist()) if eos is not None else set()
+    custom_criteria = StoppingCriteriaList(
+        c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))
+    )
+    sampling = SamplingSetup(
+        logits_processor=RaggedLogitsProcessor(logits_processor),
+        greedy=greedy,
+        eos_token_ids=eos_ids,
+        stopping_criteria=custom_criteria,
+        generator=generator,
+        output_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
+        output_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
+    )
+
+    padded_len = input_ids.shape[1]
+    max_new = generation_config.max_length - padded_len
+    window = context_window(model)
+    requests = []
+    for row, prompt in enumerate(prompts):
+        limit = max_new if window is None else min(max_new, window - prompt.shape[0])
+        if limit < max_new:
+            logger.warning_once(
+                f"row {row}: generation is capped at {limit} tokens by the context window ({window} tokens)"
+            )
+        tokens = torch.empty(padded_len + max(limit, 0) + config.draft_len + 1, dtype=torch.long, device=device)
+        tokens[:padded_len] = input_ids[row].to(device)
+        requests.append(
+            Request(row=row, prompt_ids=prompt.to(device), tokens=tokens, length=padded_len, max_new_tokens=limit)
+        )
+    if max_new <= 0:
+        return _assemble(input_ids, requests, generation_config, S3RStats(), config)
+
+    cache = S3RCache(
+        model.config,
+        num_pages=config.num_pages or _pages_for_all(requests, config),
+        page_size=config.page_size,
+        max_requests=len(requests),
+        dtype=model.dtype,
+        device=device,
+    )
+    engine = S3REngine(model, config, sampling, cache, unverified_drafts=s3r_unverified_drafts)
+    stats = engine.run(requests)
+    return _assemble(input_ids, requests, generation_config, stats, config)
+
+
+def _pages_for_all(requests: list[Request], config: S3RConfig) -> int:
+    """A pool that holds every request at full length (the default when `num_pages` is not set)."""
+    per_request = (
+        -(-(r.prompt_len + r.max_new_tokens + config.draft_len + 1) // config.page_size) for r in requests
+    )
+    return max(1, sum(per_request))
+
+
+def _assemble(input_ids, requests, generation_config, stats, config) -> S3RGenerateOutput | torch.LongTensor:
+    """Pack results the way `generate` does: prompt rows, then generated tokens padded with the pad token."""
+    pad = generation_config._pad_token_tensor
+    pad_id = int(pad) if pad is not None else 0
+    width = max((len(r.generated) for r in requests), default=0)
+    generated = torch.full((len(requests), width), pad_id, dtype=torch.long, device=input_ids.device)
+    for request in requests:
+        generated[request.row, : len(request.generated)] = torch.tensor(request.generated, dtype=torch.long)
+    sequences = torch.cat([input_ids, generated], dim=1)
+    if not generation_config.return_dict_in_generate:
+        sequences.s3r_stats = stats  # type: ignore[attr-defined]  # plain tensors carry the stats too
+        return sequences
+    logprobs = None
+    if config.return_logprobs:
+        logprobs = torch.zeros(len(requests), width, dtype=torch.float32, device=input_ids.device)
+        for request in requests:
+            logprobs[request.row, : len(request.logprobs)] = torch.tensor(request.logprobs)
+    return S3RGenerateOutput(
+        sequences=sequences,
+        scores=_per_step(requests, width, "scores") if generation_config.output_scores else None,
+        logits=_per_step(requests, width, "raw_logits") if generation_config.output_logits else None,
+        s3r_stats=stats,
+        logprobs=logprobs,
+    )
+
+
+def _per_step(requests: list[Request], width: int, attribute: str) -> tuple[torch.Tensor, ...]:
+    """`generate`'s per-step tuple of `[batch, vocab]` tensors; rows that already finished hold zeros."""
+    steps = []
+    for step in range(width):
+        rows = [getattr(r, attribute) for r in requests]
+        reference = next(values[step] for values in rows if len(values) > step)
+        steps.append(
+            torch.stack([values[step] if len(values) > step else torch.zeros_like(reference) for values in rows])
+        )
+    return tuple(steps)
+
+
+def enable(model: PreTrainedModel) -> PreTrainedModel:
+    """Let `model.generate(..., s3r_config=...)` run S3R; without `s3r_config`, `generate` is unchanged.
+
+    Idempotent; returns the model. Raises `UnsupportedModelError` for models S3R cannot run.
+    """
+    check_model_supported(model)
+    if getattr(model, "_s3r_enabled", False):
+        return model
+    original_generate = model.generate
+
+    @functools.wraps(original_generate)
+    def generate_with_s3r(*args, s3r_config: S3RConfig | dict | None = None, **kwargs):
+        if s3r_config is None:
+            return original_generate(*args, **kwargs)
+        if kwargs.get("custom_generate") is not None:
+            raise ValueError("pass either s3r_config or custom_generate to generate, not both")
+        if kwargs.get("assistant_model") is not None:
+            raise ValueError("S3R drafts with the model itself; assistant_model cannot be combined with s3r_config")
+        return original_generate(*args, custom_generate=generate, s3r_config=s3r_config, **kwargs)
+
+    model.generate = generate_with_s3r
+    model._s3r_enabled = True
+    return model

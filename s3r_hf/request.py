@@ -1,0 +1,66 @@
+"""`Request`: one response being generated, with everything needed to pause and resume it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from s3r_hf.cache.s3r_cache import OffloadedRequest
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet
+    RUNNING = "running"  # KV resident, in the batch
+    PAUSED = "paused"  # KV offloaded to host memory
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A prompt row of the `generate` call and its response so far.
+
+    `tokens[:length]` is the row exactly as `generate` would hand it to logits processors and stopping
+    criteria: the (left-padded) prompt row followed by the generated tokens. The cache holds K/V for the
+    first `committed` real tokens (prompt without padding, then generated ones); `pending` is the last
+    generated token, whose K/V the next round computes.
+    """
+
+    row: int
+    prompt_ids: torch.Tensor  # real prompt tokens, no padding
+    tokens: torch.Tensor  # buffer: padded prompt row, then generated tokens
+    length: int  # valid entries of `tokens`
+    max_new_tokens: int  # this row's limit (max_length and the context window)
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None
+    prefilled: int = 0  # prompt tokens whose K/V are in the cache
+    committed: int = 0  # K/V valid length
+    pending: int | None = None
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    scores: list[torch.Tensor] = field(default_factory=list)
+    raw_logits: list[torch.Tensor] = field(default_factory=list)
+    offloaded: OffloadedRequest | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+    @property
+    def history(self) -> torch.Tensor:
+        return self.tokens[: self.length]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.generated)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens of K/V this request keeps (prompt while prefilling, committed context after)."""
+        return max(self.prefilled, self.committed)
+
+    def append(self, token: int) -> None:
+        self.tokens[self.length] = token
+        self.length += 1
+        self.generated.append(token)

@@ -1,0 +1,83 @@
+"""Exact speculative sampling (paper §3.3, Appendix A.3), batched over requests with ragged draft lengths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AcceptResult:
+    """Outcome of one verification round for each request."""
+
+    num_accepted: torch.Tensor  # [R] accepted drafts n (0..num_drafts)
+    next_tokens: torch.Tensor  # [R] the correction (at the first rejection) or bonus token
+
+
+def sample_from_scores(scores: torch.Tensor, greedy: bool, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of processed scores `[R, V]`: argmax when greedy, else a draw from `softmax(scores)`."""
+    if greedy:
+        return scores.argmax(dim=-1)
+    probs = torch.softmax(scores.float(), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def speculative_accept(
+    draft_tokens: torch.Tensor,
+    draft_scores: torch.Tensor,
+    target_scores: torch.Tensor,
+    num_drafts: torch.Tensor,
+    greedy: bool,
+    generator: torch.Generator | None = None,
+) -> AcceptResult:
+    """Decide how many drafts each request keeps and draw its next token, exactly as dense sampling would.
+
+    Sampling: draft `d_i` is accepted with probability `min(1, p_i(d_i) / q_i(d_i))`; at the first rejection
+    the next token is drawn from the residual `norm(max(p_i - q_i, 0))`; if all drafts are accepted, a bonus
+    token is drawn from `p_{k+1}`. Greedy: a draft is accepted iff it equals `argmax p_i`, and the next token is
+    `argmax` of the first rejected (or the bonus) position, which is what dense greedy decoding produces.
+
+    `q` and `p` are `softmax` of the *processed* scores (the same logits processors on both sides), so the
+    committed tokens follow the processed dense distribution that `generate(do_sample=True)` samples from.
+
+    Args:
+        draft_tokens: `[R, k]` drafted tokens (entries past `num_drafts` are ignored).
+        draft_scores: `[R, k, V]` processed scores the drafts were sampled from.
+        target_scores: `[R, k + 1, V]` processed dense scores for the same prefixes plus the bonus position.
+        num_drafts: `[R]` drafted tokens of each request (`0..k`).
+        greedy: greedy decoding instead of sampling.
+        generator: the random generator of the call.
+    """
+    num_requests, k = draft_tokens.shape
+    device = target_scores.device
+    rows = torch.arange(num_requests, device=device)
+    position = torch.arange(k, device=device)
+    drafted = position[None, :] < num_drafts[:, None]  # [R, k]
+    if greedy:
+        target_choice = target_scores.argmax(dim=-1)  # [R, k + 1]
+        accepted = (draft_tokens == target_choice[:, :k]) & drafted
+    else:
+        p = torch.softmax(target_scores.float(), dim=-1)
+        q = torch.softmax(draft_scores.float(), dim=-1)
+        p_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
+        q_draft = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
+        uniform = torch.rand(num_requests, k, device=device, generator=generator)
+        # u < p/q  ⇔  u·q < p (q > 0 because the draft was sampled from q); no division, no 0/0.
+        accepted = (uniform * q_draft < p_draft) & drafted
+    # n = length of the all-accepted prefix.
+    num_accepted = torch.cumprod(accepted.int(), dim=-1).sum(dim=-1)
+    if greedy:
+        next_tokens = target_choice[rows, num_accepted]
+        return AcceptResult(num_accepted=num_accepted, next_tokens=next_tokens)
+    p_next = p[rows, num_accepted]  # [R, V]
+    rejected = num_accepted < num_drafts
+    q_next = torch.zeros_like(p_next)
+    q_next[rejected] = q[rows[rejected], num_accepted[rejected]]
+    residual = torch.clamp(p_next - q_next, min=0)
+    # A rejection only happens where p(d) < q(d), so some p(v) > q(v) and the residual has mass; guard against
+    # rounding leaving none by falling back to p, which is then the same distribution up to that rounding.
+    empty = residual.sum(dim=-1) <= 0
+    residual[empty] = p_next[empty]
+    next_tokens = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+    return AcceptResult(num_accepted=num_accepted, next_tokens=next_tokens)

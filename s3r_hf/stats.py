@@ -1,0 +1,68 @@
+"""`S3RStats`: what speculative decoding did during one generation call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class S3RStats:
+    """Counts of one S3R generation call.
+
+    `mean_acceptance_length` is τ as vLLM and SGLang report it: tokens committed per verification round,
+    the correction or bonus token included (so it lies in `[1, draft_len + 1]`).
+    """
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    committed: int = 0
+    prefill_tokens: int = 0
+    position_drafted: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
+
+    def record_round(self, num_drafted: list[int], num_accepted: list[int], num_committed: list[int]) -> None:
+        """Add one verification round; one entry per request verified in it."""
+        for drafted, accepted, committed in zip(num_drafted, num_accepted, num_committed):
+            self.rounds += 1
+            self.drafted += drafted
+            self.accepted += accepted
+            self.committed += committed
+            self._grow(drafted)
+            for position in range(drafted):
+                self.position_drafted[position] += 1
+                if position < accepted:
+                    self.position_accepted[position] += 1
+
+    def _grow(self, length: int) -> None:
+        missing = length - len(self.position_drafted)
+        if missing > 0:
+            self.position_drafted.extend([0] * missing)
+            self.position_accepted.extend([0] * missing)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over drafted tokens."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """τ: committed tokens per verification round (accepted drafts + the correction/bonus token)."""
+        return self.committed / self.rounds if self.rounds else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Probability that draft position `i` (0-based) was accepted, given that it was drafted."""
+        return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
+
+    def to_dict(self) -> dict[str, float | int | list[float]]:
+        return {
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "committed": self.committed,
+            "prefill_tokens": self.prefill_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "per_position_acceptance": self.per_position_acceptance,
+        }

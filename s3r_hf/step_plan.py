@@ -1,0 +1,49 @@
+"""`StepPlan`: what one packed engine forward computes, read by the S3R attention function.
+
+A forward packs many requests' tokens into one `[1, N]` batch. Each token belongs to a segment of one of two
+kinds: *dense* segments (prefill chunks and verify blocks) attend causally over the request's full cache;
+*sparse* queries (draft tokens) attend over the request's index view plus the provisional tail of the block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DenseSegments:
+    """Dense causal segments of a step (prefill chunks, verify blocks)."""
+
+    query_index: torch.Tensor  # [Nd] rows of the packed batch
+    cu_seqlens: torch.Tensor  # [Sd + 1]
+    positions: torch.Tensor  # [Nd] absolute positions
+    block_tables: torch.Tensor  # [Sd, max_pages] int32
+    score_starts: torch.Tensor | None  # [Sd] first scored query inside each segment, -1 = not scored
+    history_lens: torch.Tensor  # [Sd] top-K candidates are drawn from positions < history_lens
+    num_candidates: int  # top-K candidates kept per (segment, KV head)
+
+
+@dataclass
+class SparseQueries:
+    """Single-token draft queries of a step."""
+
+    query_index: torch.Tensor  # [Ns] rows of the packed batch
+    slots: torch.Tensor  # [Ns] cache slots (index views are per slot)
+    block_tables: torch.Tensor  # [Ns, max_pages] int32
+    tail_starts: torch.Tensor  # [Ns] committed length: positions >= this are the block's provisional drafts
+    positions: torch.Tensor  # [Ns] absolute positions
+
+
+@dataclass
+class StepPlan:
+    """One packed forward: where each token's K/V goes and how each query attends."""
+
+    write_index: torch.Tensor  # [N] flat pool row (page * page_size + offset) of each packed token
+    position_ids: torch.Tensor  # [1, N]
+    dense: DenseSegments | None = None
+    sparse: SparseQueries | None = None
+    # Filled by the attention function: per layer, `[Sd, Hkv, num_candidates]` top-K history positions.
+    candidates: dict[int, torch.Tensor] = field(default_factory=dict)
+    layers_seen: set[int] = field(default_factory=set)
