@@ -74,8 +74,6 @@ class S3REngine:
         parameters = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self._supports_logits_to_keep = "logits_to_keep" in parameters
-        self.offload_episodes = 0
-        self.pages_offloaded = 0
 
     # ================================================================ scheduling
     def run(self, requests: list[Request]) -> S3RStats:
@@ -155,14 +153,15 @@ class S3REngine:
                 raise KVCapacityError("KV capacity too small for one request's next round")
             victim = min(running, key=lambda r: r.kv_tokens)
             running.remove(victim)
-            self.pages_offloaded += len(self.cache.page_lists[victim.slot])
-            self.offload_episodes += 1
+            self.stats.pages_offloaded += len(self.cache.page_lists[victim.slot])
+            self.stats.offload_episodes += 1
             victim.offloaded = self.cache.offload(victim.slot)
             victim.status = RequestStatus.PAUSED
             paused.append(victim)
             logger.info("paused request %d (%d KV tokens) under KV pressure", victim.row, victim.kv_tokens)
         for request in running:
             self.cache.reserve(request.slot, request.committed + self._draft_count(request) + 1)
+        self.stats.peak_kv_pages = max(self.stats.peak_kv_pages, self.cache.allocator.num_used)
 
     # ================================================================ forward
     def _forward(self, input_ids: list[int], plan: StepPlan, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -237,7 +236,7 @@ class S3REngine:
         if not finals:
             return
         finished = [chunks[i][0] for i in finals]
-        scores = self.sampling.logits_processor([r.history for r in finished], logits)
+        scores = self.sampling.logits_processor([r.row for r in finished], [r.history for r in finished], logits)
         first_tokens = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator)
         for row, request in enumerate(finished):
             request.committed = request.prompt_len
@@ -311,7 +310,7 @@ class S3REngine:
         plan = StepPlan(write_index=self._tensor(write), position_ids=position_tensor[None], sparse=sparse)
         logits = self._forward(tokens, plan)
         histories = [r.tokens[: r.length + step] for r in requests]
-        scores = self.sampling.logits_processor(histories, logits)
+        scores = self.sampling.logits_processor([r.row for r in requests], histories, logits)
         drafts = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator)
         index = self._tensor(rows)
         draft_tokens[index, step] = drafts
@@ -345,7 +344,8 @@ class S3REngine:
         histories = [
             r.tokens[: r.length + offset] for r, count in zip(requests, draft_counts) for offset in range(count + 1)
         ]
-        flat_scores = self.sampling.logits_processor(histories, logits)
+        rows = [r.row for r, count in zip(requests, draft_counts) for _ in range(count + 1)]
+        flat_scores = self.sampling.logits_processor(rows, histories, logits)
         width = max(draft_counts) + 1
         target_scores = torch.zeros(len(requests), width, flat_scores.shape[-1], device=self.device)
         per_request_logits = []

@@ -92,7 +92,7 @@ def generate(
         c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))
     )
     sampling = SamplingSetup(
-        logits_processor=RaggedLogitsProcessor(logits_processor),
+        logits_processor=RaggedLogitsProcessor(logits_processor, batch_size=input_ids.shape[0]),
         greedy=greedy,
         eos_token_ids=eos_ids,
         stopping_criteria=custom_criteria,

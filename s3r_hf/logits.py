@@ -34,16 +34,24 @@ class RaggedLogitsProcessor:
 
     Draft and verify scores of the same prefix go through this same object with the same history, which is
     what keeps the proposal `q` and the target `p` processed identically (Appendix A.3). Processors that read
-    the history (repetition penalty, min-length, …) are called once per group of rows of equal length with the
-    exact `input_ids` that `generate` would pass them.
+    the history (repetition penalty, min-length, n-gram bans, …) may also keep per-row state sized to the
+    `generate` batch, so they are called with the whole batch in its row order, once per history length, with
+    the exact `input_ids` rows that `generate` would pass them (rows not in the call are zero-filled and their
+    outputs dropped). Processors that keep state *across* calls are not supported.
+
+    Args:
+        processors: the list `generate` prepared.
+        batch_size: rows of the `generate` batch (after `num_return_sequences` expansion).
     """
 
-    def __init__(self, processors: LogitsProcessorList | None) -> None:
+    def __init__(self, processors: LogitsProcessorList | None, batch_size: int) -> None:
         self.processors = processors if processors is not None else LogitsProcessorList()
+        self.batch_size = batch_size
         self.history_free = all(isinstance(p, _HISTORY_FREE) for p in self.processors)
 
-    def __call__(self, histories: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
-        """Processed float32 scores `[R, V]` for raw `logits` `[R, V]`; `histories[r]` is row `r`'s `input_ids`."""
+    def __call__(self, rows: list[int], histories: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+        """Processed float32 scores for raw `logits` `[E, V]`; entry `e` belongs to batch row `rows[e]` and
+        `histories[e]` is the `input_ids` row its scores follow."""
         scores = logits.float()
         if len(self.processors) == 0 or scores.shape[0] == 0:
             return scores
@@ -51,11 +59,15 @@ class RaggedLogitsProcessor:
             placeholder = torch.zeros(scores.shape[0], 1, dtype=torch.long, device=scores.device)
             return self.processors(placeholder, scores)
         groups: dict[int, list[int]] = defaultdict(list)
-        for row, history in enumerate(histories):
-            groups[history.shape[0]].append(row)
+        for entry, history in enumerate(histories):
+            groups[history.shape[0]].append(entry)
         out = torch.empty_like(scores)
-        for rows in groups.values():
-            input_ids = torch.stack([histories[r] for r in rows])
-            index = torch.tensor(rows, device=scores.device)
-            out[index] = self.processors(input_ids, scores[index])
+        for length, entries in groups.items():
+            batch_rows = torch.tensor([rows[e] for e in entries], device=scores.device)
+            input_ids = torch.zeros(self.batch_size, length, dtype=torch.long, device=scores.device)
+            input_ids[batch_rows] = torch.stack([histories[e] for e in entries])
+            batch_scores = torch.zeros(self.batch_size, scores.shape[1], device=scores.device)
+            index = torch.tensor(entries, device=scores.device)
+            batch_scores[batch_rows] = scores[index]
+            out[index] = self.processors(input_ids, batch_scores)[batch_rows]
         return out

@@ -18,6 +18,9 @@ class S3RStats:
     accepted: int = 0
     committed: int = 0
     prefill_tokens: int = 0
+    offload_episodes: int = 0  # requests paused (KV moved to host memory) under KV pressure
+    pages_offloaded: int = 0
+    peak_kv_pages: int = 0
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
 
@@ -62,6 +65,9 @@ class S3RStats:
             "accepted": self.accepted,
             "committed": self.committed,
             "prefill_tokens": self.prefill_tokens,
+            "offload_episodes": self.offload_episodes,
+            "pages_offloaded": self.pages_offloaded,
+            "peak_kv_pages": self.peak_kv_pages,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance": self.per_position_acceptance,

@@ -283,7 +283,12 @@ class S3RCache(Cache):
         return -1
 
     def crop(self, max_length: int) -> None:
-        """transformers' rollback: a negative value removes that many tokens, a positive one keeps that many."""
+        """transformers' rollback: a negative value removes that many tokens, a positive one keeps that many.
+
+        Zero removes nothing: transformers 5.2x calls `crop(-n)` with `n == 0` when all candidates pass.
+        """
+        if max_length == 0:
+            return
         for slot, length in list(self.lengths.items()):
             target = length + max_length if max_length < 0 else min(length, max_length)
             self.set_length(slot, max(target, 0))

@@ -15,16 +15,25 @@ import torch
 
 
 def gather_positions(pool: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rows of `pool` (`[pages, page_size, H, D]`) at absolute `positions` of one request → `[..., H, D]`."""
+    """Rows of `pool` (`[pages, page_size, H, D]`) at absolute `positions` → `[..., H, D]`.
+
+    `block_table` is `[P]` with `positions` of any shape, or `[S, P]` with `positions` `[S, L]`.
+    """
     page_size = pool.shape[1]
-    pages = block_table.long()[positions // page_size]
+    table, page_index = block_table.long(), (positions // page_size).long()
+    # torch.gather needs index.dim() == table.dim(): a single `[P]` table is indexed directly instead.
+    pages = table[page_index] if table.dim() == 1 else torch.gather(table, -1, page_index)
     return pool[pages, positions % page_size]
 
 
-def _expand_kv_heads(states: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """`[L, Hkv, D]` → `[L, Hq, D]` by repeating each KV head over its GQA group."""
-    group = num_heads // states.shape[1]
-    return states.repeat_interleave(group, dim=1) if group > 1 else states
+def _segment_layout(cu_seqlens: torch.Tensor, positions: torch.Tensor):
+    """Segment id and offset of each packed query, segment lengths, and each segment's context length."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    segment = torch.repeat_interleave(torch.arange(lengths.shape[0], device=positions.device), lengths)
+    offset = torch.arange(positions.shape[0], device=positions.device) - cu_seqlens[:-1][segment]
+    last = (cu_seqlens[1:] - 1).clamp(min=0)
+    contexts = torch.where(lengths > 0, positions[last] + 1, torch.zeros_like(lengths))
+    return segment, offset, lengths, contexts
 
 
 def paged_dense_attention(
@@ -55,34 +64,41 @@ def paged_dense_attention(
         weight it received over the scored queries and the query heads of each KV head's GQA group (zero for
         positions outside the segment's context and for unscored segments).
     """
-    num_queries, num_heads, _ = query.shape
+    num_queries, num_heads, head_dim = query.shape
     num_kv_heads = key_pool.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
-    lse = torch.empty(num_queries, num_heads, dtype=torch.float32, device=query.device)
-    bounds = cu_seqlens.tolist()
-    contexts = [int(positions[end - 1]) + 1 if end > start else 0 for start, end in zip(bounds, bounds[1:])]
+    cu_seqlens, positions = cu_seqlens.long(), positions.long()
+    segment, offset, lengths, contexts = _segment_layout(cu_seqlens, positions)
+    num_segments = lengths.shape[0]
+    width = int(lengths.max()) if num_segments else 0
+    context = int(contexts.max()) if num_segments else 0
+
+    # Padded views: queries [S, n, Hkv, G, D], keys/values [S, L, Hkv, D] gathered through the block tables.
+    padded_q = query.new_zeros(num_segments, width, num_heads, head_dim)
+    padded_q[segment, offset] = query
+    padded_q = padded_q.view(num_segments, width, num_kv_heads, group, head_dim).float()
+    query_pos = torch.full((num_segments, width), -1, dtype=torch.long, device=query.device)
+    query_pos[segment, offset] = positions
+    key_pos = torch.arange(context, device=query.device)
+    keys = gather_positions(key_pool, block_tables, key_pos[None, :].expand(num_segments, -1)).float()
+    values = gather_positions(value_pool, block_tables, key_pos[None, :].expand(num_segments, -1)).float()
+
+    logits = torch.einsum("snhgd,skhd->shgnk", padded_q, keys) * scale  # [S, Hkv, G, n, L]
+    visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [S, n, L]; padding queries see nothing
+    logits = logits.masked_fill(~visible[:, None, None], float("-inf"))
+    seg_lse = torch.logsumexp(logits, dim=-1)  # [S, Hkv, G, n]
+    probs = torch.exp(logits - seg_lse[..., None]).nan_to_num(0.0)
+    padded_out = torch.einsum("shgnk,skhd->snhgd", probs, values)
+
+    out = padded_out.reshape(num_segments, width, num_heads, head_dim)[segment, offset].to(query.dtype)
+    lse = seg_lse.permute(0, 3, 1, 2).reshape(num_segments, width, num_heads)[segment, offset]
     scores = None
     if score_starts is not None:
-        max_context = max(contexts, default=0)
-        scores = torch.zeros(len(contexts), num_kv_heads, max_context, dtype=torch.float32, device=query.device)
-    for seg, (start, end) in enumerate(zip(bounds, bounds[1:])):
-        if end == start:
-            continue
-        key_positions = torch.arange(contexts[seg], device=query.device)
-        keys = _expand_kv_heads(gather_positions(key_pool, block_tables[seg], key_positions), num_heads)
-        values = _expand_kv_heads(gather_positions(value_pool, block_tables[seg], key_positions), num_heads)
-        logits = torch.einsum("nhd,khd->hnk", query[start:end].float(), keys.float()) * scale
-        future = key_positions[None, :] > positions[start:end, None]
-        logits = logits.masked_fill(future[None], float("-inf"))
-        seg_lse = torch.logsumexp(logits, dim=-1)  # [Hq, n]
-        probs = torch.exp(logits - seg_lse[..., None])
-        out[start:end] = torch.einsum("hnk,khd->nhd", probs, values.float()).to(query.dtype)
-        lse[start:end] = seg_lse.transpose(0, 1)
-        if scores is not None and int(score_starts[seg]) >= 0:
-            scored = probs[:, int(score_starts[seg]) :]  # [Hq, n_scored, ctx]
-            per_kv_head = scored.reshape(num_kv_heads, group * scored.shape[1], -1).mean(dim=1)
-            scores[seg, :, : contexts[seg]] = per_kv_head
+        starts = score_starts.long()
+        scored = (torch.arange(width, device=query.device)[None, :] >= starts[:, None]) & (starts[:, None] >= 0)
+        scored &= query_pos >= 0  # [S, n]
+        weight = scored.float() / (scored.sum(dim=1, keepdim=True).clamp(min=1) * group)
+        scores = torch.einsum("shgnk,sn->shk", probs, weight)
     return out, lse, scores
 
 
@@ -101,7 +117,7 @@ def paged_sparse_attention(
 
     Query `i` attends, for each KV head `h`, to the committed positions `index_view[i, h, :view_lens[i]]` and to
     every position in `[tail_starts[i], positions[i]]` (the draft tokens of the current block, whose K/V are
-    provisional). K/V are read through the block table; nothing is copied into the cache.
+    provisional). K/V are read through the block table by position.
 
     Args:
         query: `[N, Hq, D]`, one query per draft segment.
@@ -116,24 +132,35 @@ def paged_sparse_attention(
     Returns:
         `out` `[N, Hq, D]` and `lse` `[N, Hq]`.
     """
-    num_queries, num_heads, _ = query.shape
+    num_queries, num_heads, head_dim = query.shape
     num_kv_heads = key_pool.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
-    lse = torch.empty(num_queries, num_heads, dtype=torch.float32, device=query.device)
-    for i in range(num_queries):
-        tail = torch.arange(int(tail_starts[i]), int(positions[i]) + 1, device=query.device)
-        for kv_head in range(num_kv_heads):
-            view = index_view[i, kv_head, : int(view_lens[i])].long()
-            key_positions = torch.cat([view, tail])
-            keys = gather_positions(key_pool, block_tables[i], key_positions)[:, kv_head].float()
-            values = gather_positions(value_pool, block_tables[i], key_positions)[:, kv_head].float()
-            heads = slice(kv_head * group, (kv_head + 1) * group)
-            logits = query[i, heads].float() @ keys.T * scale  # [group, L]
-            head_lse = torch.logsumexp(logits, dim=-1)
-            out[i, heads] = (torch.exp(logits - head_lse[:, None]) @ values).to(query.dtype)
-            lse[i, heads] = head_lse
-    return out, lse
+    page_size = key_pool.shape[1]
+    positions, tail_starts, view_lens = positions.long(), tail_starts.long(), view_lens.long()
+    tail_lens = positions - tail_starts + 1
+    view_width, tail_width = index_view.shape[-1], int(tail_lens.max()) if num_queries else 0
+
+    # Key positions per (query, KV head): the view's entries, then the tail; with a validity mask.
+    view_valid = torch.arange(view_width, device=query.device)[None, :] < view_lens[:, None]  # [N, K]
+    tail_offsets = torch.arange(tail_width, device=query.device)
+    tail_valid = tail_offsets[None, :] < tail_lens[:, None]  # [N, T]
+    tail_pos = (tail_starts[:, None] + tail_offsets[None, :])[:, None, :].expand(-1, num_kv_heads, -1)
+    key_pos = torch.cat([index_view.long(), tail_pos], dim=-1)  # [N, Hkv, K + T]
+    valid = torch.cat([view_valid, tail_valid], dim=-1)[:, None, :].expand(-1, num_kv_heads, -1)
+    key_pos = torch.where(valid, key_pos, torch.zeros_like(key_pos))
+
+    pages = torch.gather(block_tables.long(), 1, (key_pos // page_size).reshape(num_queries, -1))
+    pages = pages.view_as(key_pos)
+    heads = torch.arange(num_kv_heads, device=query.device)[None, :, None]
+    keys = key_pool[pages, key_pos % page_size, heads].float()  # [N, Hkv, W, D]
+    values = value_pool[pages, key_pos % page_size, heads].float()
+
+    grouped_q = query.view(num_queries, num_kv_heads, group, head_dim).float()
+    logits = torch.einsum("nhgd,nhwd->nhgw", grouped_q, keys) * scale
+    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    head_lse = torch.logsumexp(logits, dim=-1)  # [N, Hkv, G]
+    out = torch.einsum("nhgw,nhwd->nhgd", torch.exp(logits - head_lse[..., None]), values)
+    return out.reshape(num_queries, num_heads, head_dim).to(query.dtype), head_lse.reshape(num_queries, num_heads)
 
 
 def select_topk_candidates(scores: torch.Tensor, history_lens: torch.Tensor, num_candidates: int) -> torch.Tensor:

@@ -1,0 +1,49 @@
+"""Tiny random models and batched prompts shared by the tests (fp32, CPU, seeded)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def tiny_model(kind: str = "qwen3", seed: int = 0, **overrides) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**{**TINY, **overrides}))
+    elif kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}))
+    else:
+        raise ValueError(kind)
+    return model.eval()
+
+
+def left_padded_batch(lengths: list[int], vocab: int = 256, seed: int = 0, pad: int = 0):
+    """`input_ids`, `attention_mask` of random prompts (tokens >= 3) left-padded to the longest."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(3, vocab, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return input_ids, attention_mask
+
+
+@pytest.fixture(params=["qwen3", "llama"])
+def model_kind(request) -> str:
+    return request.param

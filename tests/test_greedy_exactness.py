@@ -1,0 +1,143 @@
+"""Greedy S3R must be token-identical to dense `model.generate` (CPU, fp32)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import s3r_hf
+from s3r_hf import S3RConfig
+from tests.conftest import left_padded_batch, tiny_model
+
+# Budgets small enough that drafts really get rejected: 10% of the context, at least 2 positions.
+SMALL_BUDGET = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
+
+
+def test_greedy_matches_dense_generate_on_ragged_batch(model_kind):
+    model = s3r_hf.enable(tiny_model(model_kind))
+    input_ids, attention_mask = left_padded_batch([5, 17, 33, 48, 9])
+    dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=48)
+    out = model.generate(
+        input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=48,
+        s3r_config=SMALL_BUDGET, return_dict_in_generate=True,
+    )
+    assert torch.equal(out.sequences, dense)
+    stats = out.s3r_stats
+    assert stats.drafted > 0
+    assert stats.accepted < stats.drafted, "budgets this small must reject some drafts"
+    assert 1.0 <= stats.mean_acceptance_length <= SMALL_BUDGET.draft_len + 1
+
+
+def test_greedy_with_custom_generate_hook_and_chunked_prefill():
+    model = tiny_model("qwen3", seed=1)
+    input_ids, attention_mask = left_padded_batch([40, 7, 26, 12], seed=3)
+    dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=30)
+    config = S3RConfig(draft_len=3, budget_ratio=0.05, min_budget=3, page_size=8, prefill_chunk_size=16)
+    out = model.generate(
+        input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=30,
+        custom_generate=s3r_hf.generate, s3r_config=config,
+    )
+    assert torch.equal(out, dense)
+    assert out.s3r_stats.drafted > out.s3r_stats.accepted
+
+
+def test_plain_generate_unchanged_after_enable():
+    model = tiny_model("llama", seed=2)
+    input_ids, attention_mask = left_padded_batch([6, 11], seed=4)
+    before = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12)
+    s3r_hf.enable(model)
+    s3r_hf.enable(model)  # idempotent
+    after = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12)
+    assert torch.equal(before, after)
+    assert model.config._attn_implementation == "sdpa"
+    assert not hasattr(after, "s3r_stats")
+
+
+def test_eos_and_max_new_tokens_per_request():
+    model = s3r_hf.enable(tiny_model("qwen3", seed=5))
+    input_ids, attention_mask = left_padded_batch([8, 20, 31, 14], seed=6)
+    free_run = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40)
+    # Pick as EOS a token that the dense run emits mid-way in some rows but not all: requests end at
+    # different rounds, some inside an accepted draft block.
+    generated = free_run[:, input_ids.shape[1] :]
+    eos = int(generated[0, 10])
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=40, eos_token_id=eos, pad_token_id=0)
+    dense = model.generate(input_ids, **kwargs)
+    out = model.generate(input_ids, s3r_config=SMALL_BUDGET, **kwargs)
+    assert torch.equal(out, dense)
+    assert (dense[:, input_ids.shape[1] :] == eos).any(dim=1).any()
+
+
+def test_num_return_sequences_and_history_dependent_processors():
+    # Sampling with top_k=1 is deterministic, so the sampled path (ratio test, residual) must also reproduce
+    # dense decoding token for token; `generate` allows num_return_sequences only when sampling.
+    model = s3r_hf.enable(tiny_model("llama", seed=7))
+    input_ids, attention_mask = left_padded_batch([12, 25], seed=8)
+    kwargs = dict(
+        attention_mask=attention_mask, do_sample=True, top_k=1, max_new_tokens=24, num_return_sequences=2,
+        repetition_penalty=1.3, min_new_tokens=5, no_repeat_ngram_size=3,
+    )
+    dense = model.generate(input_ids, **kwargs)
+    out = model.generate(input_ids, s3r_config=SMALL_BUDGET, **kwargs)
+    assert out.shape[0] == 4
+    assert torch.equal(out, dense)
+
+
+class StopAfterToken(StoppingCriteria):
+    """Stops a row once `token` appears among its last two tokens."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, -2:] == self.token).any(dim=1)
+
+
+def test_custom_stopping_criteria():
+    model = s3r_hf.enable(tiny_model("qwen3", seed=9))
+    input_ids, attention_mask = left_padded_batch([10, 30, 18], seed=10)
+    free_run = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=30)
+    token = int(free_run[1, input_ids.shape[1] + 12])
+    criteria = StoppingCriteriaList([StopAfterToken(token)])
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=30, stopping_criteria=criteria)
+    dense = model.generate(input_ids, **kwargs)
+    out = model.generate(input_ids, s3r_config=SMALL_BUDGET, **kwargs)
+    assert torch.equal(out, dense)
+
+
+def test_outputs_scores_and_logprobs_match_dense():
+    model = s3r_hf.enable(tiny_model("qwen3", seed=11))
+    input_ids, attention_mask = left_padded_batch([9, 21], seed=12)
+    kwargs = dict(
+        attention_mask=attention_mask, do_sample=False, max_new_tokens=16, return_dict_in_generate=True,
+        output_scores=True, output_logits=True,
+    )
+    dense = model.generate(input_ids, **kwargs)
+    config = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4, return_logprobs=True)
+    out = model.generate(input_ids, s3r_config=config, **kwargs)
+    assert isinstance(out, s3r_hf.S3RGenerateOutput)
+    assert torch.equal(out.sequences, dense.sequences)
+    assert len(out.scores) == len(dense.scores)
+    generated = dense.sequences[:, input_ids.shape[1] :]
+    # Rows still generating at each step (after EOS `generate` keeps computing scores, S3R holds zeros).
+    ended = (generated == model.generation_config.eos_token_id).int().cumsum(dim=1)
+    active = (ended - (generated == model.generation_config.eos_token_id).int()) == 0
+    for step, (mine, theirs) in enumerate(zip(out.logits, dense.logits)):
+        rows = active[:, step]
+        torch.testing.assert_close(mine[rows], theirs[rows], atol=1e-4, rtol=1e-4)
+    expected = torch.stack([torch.log_softmax(s, -1) for s in dense.scores], 1).gather(-1, generated[..., None])
+    expected = expected.squeeze(-1).masked_fill(~active, 0.0)
+    torch.testing.assert_close(out.logprobs, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_kv_pressure_pauses_and_resumes_requests():
+    model = s3r_hf.enable(tiny_model("llama", seed=13))
+    input_ids, attention_mask = left_padded_batch([20, 22, 24, 26], seed=14)
+    dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40)
+    # Room for about two requests at full length: the others wait or are paused (offloaded) and resumed.
+    config = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, num_pages=36)
+    out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40,
+                         s3r_config=config)
+    assert torch.equal(out, dense)
+    assert out.s3r_stats.offload_episodes > 0, "the pool is too small for all four: some must be paused"
+    assert out.s3r_stats.peak_kv_pages <= 36
