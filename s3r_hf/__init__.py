@@ -5,6 +5,7 @@ exact speculative sampling keeps every response distributed exactly as dense sam
 """
 
 from s3r_hf.cache import KVCapacityError, S3RCache
+from s3r_hf.candidate_generator import SparseSelfDraftCandidateGenerator, assisted_generate
 from s3r_hf.config import S3RConfig
 from s3r_hf.generate import S3RGenerateOutput, enable, generate
 from s3r_hf.stats import S3RStats
@@ -18,7 +19,9 @@ __all__ = [
     "S3RConfig",
     "S3RGenerateOutput",
     "S3RStats",
+    "SparseSelfDraftCandidateGenerator",
     "UnsupportedModelError",
+    "assisted_generate",
     "enable",
     "generate",
 ]

@@ -86,16 +86,21 @@ def _plain_attention(module, query, key, value, attention_mask, dropout, scaling
 
 
 def _plain_verify_candidates(query: torch.Tensor, key: torch.Tensor, scale: float, cache: S3RCache) -> torch.Tensor:
-    """Top-K history positions by mean softmax weight of a (batch 1) block of queries over the full keys."""
+    """Top-K history positions by mean softmax weight of the block's last queries (batch 1) over the full keys.
+
+    The last `cache.plain_score_queries` queries are the verified block; everything before them is history.
+    """
     backend = get_backend(query.device)
-    num_queries, context = query.shape[2], key.shape[2]
+    num_queries = min(query.shape[2], cache.plain_score_queries)
+    context = key.shape[2]
     group = query.shape[1] // key.shape[1]
     keys = key[0].repeat_interleave(group, dim=0).float()  # [Hq, L, D]
-    logits = torch.einsum("hnd,hkd->hnk", query[0].float(), keys) * scale
+    logits = torch.einsum("hnd,hkd->hnk", query[0, :, -num_queries:].float(), keys) * scale
     query_pos = torch.arange(context - num_queries, context, device=query.device)
     future = torch.arange(context, device=query.device)[None, :] > query_pos[:, None]
     probs = torch.softmax(logits.masked_fill(future[None], float("-inf")), dim=-1)
     scores = probs.reshape(key.shape[1], group * num_queries, context).mean(dim=1)[None]
+    cache.recorded_history_len = context - num_queries
     history = torch.tensor([context - num_queries], device=query.device)
     return backend.select_topk_candidates(scores, history, cache.plain_num_candidates)
 

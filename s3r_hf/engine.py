@@ -143,10 +143,7 @@ class S3REngine:
     def _make_room_for_round(self, running: list[Request], paused: deque) -> None:
         """Reserve every running request's block; pause (offload) the smallest requests until it fits."""
         while True:
-            needed = sum(
-                max(0, self.cache.pages_for(r.committed + self._draft_count(r) + 1) - len(self.cache.page_lists[r.slot]))
-                for r in running
-            )
+            needed = sum(self._pages_missing_for_round(r) for r in running)
             if needed <= self.cache.allocator.num_free:
                 break
             if len(running) == 1:
@@ -162,6 +159,10 @@ class S3REngine:
         for request in running:
             self.cache.reserve(request.slot, request.committed + self._draft_count(request) + 1)
         self.stats.peak_kv_pages = max(self.stats.peak_kv_pages, self.cache.allocator.num_used)
+
+    def _pages_missing_for_round(self, request: Request) -> int:
+        held = len(self.cache.page_lists[request.slot])
+        return max(0, self.cache.pages_for(request.committed + self._draft_count(request) + 1) - held)
 
     # ================================================================ forward
     def _forward(self, input_ids: list[int], plan: StepPlan, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,7 +195,23 @@ class S3REngine:
 
     # ================================================================ prefill
     def _prefill_step(self, requests: list[Request]) -> None:
-        """Pack prompt chunks (up to `prefill_chunk_size` tokens); finish prompts sample their first token."""
+        """Pack prompt chunks (up to `prefill_chunk_size` tokens); finished prompts sample their first token."""
+        plan, finals, finished, logits = self.prefill_forward(requests)
+        if not finished:
+            return
+        scores = self.sampling.logits_processor([r.row for r in finished], [r.history for r in finished], logits)
+        first_tokens = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator)
+        for row, request in enumerate(finished):
+            request.committed = request.prompt_len
+            self._commit(request, int(first_tokens[row]), scores[row], logits[row])
+        self.refresh_views(plan, finals, finished, [r.prompt_len for r in finished])
+
+    def prefill_forward(self, requests: list[Request]):
+        """One packed forward over the next prompt chunks of `requests`.
+
+        Returns the plan, the segment index and request of every prompt finished by this step, and the logits
+        of those prompts' last tokens.
+        """
         budget = self.config.prefill_chunk_size
         block = self.config.draft_len + 1
         tokens, write, positions, cu, scored, history, chunks = [], [], [], [0], [], [], []
@@ -233,15 +250,7 @@ class S3REngine:
             request.prefilled = end
             self.cache.set_length(request.slot, end)
         self.stats.prefill_tokens += len(tokens)
-        if not finals:
-            return
-        finished = [chunks[i][0] for i in finals]
-        scores = self.sampling.logits_processor([r.row for r in finished], [r.history for r in finished], logits)
-        first_tokens = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator)
-        for row, request in enumerate(finished):
-            request.committed = request.prompt_len
-            self._commit(request, int(first_tokens[row]), scores[row], logits[row])
-        self._refresh_views(plan, finals, finished, [r.prompt_len for r in finished])
+        return plan, finals, [chunks[i][0] for i in finals], logits
 
     # ================================================================ one S3R round
     def _draft_count(self, request: Request) -> int:
@@ -260,7 +269,7 @@ class S3REngine:
         draft_scores = torch.zeros(len(requests), max(max_drafts, 1), vocab, device=self.device)
         for step in range(max_drafts):
             rows = [i for i, k in enumerate(draft_counts) if k > step]
-            self._draft_pass(step, [requests[i] for i in rows], rows, draft_tokens, draft_scores)
+            self.draft_pass(step, [requests[i] for i in rows], rows, draft_tokens, draft_scores)
         plan, logits, target_scores = self._verify(requests, draft_counts, draft_tokens)
         num_drafts = self._tensor(draft_counts)
         if self.unverified_drafts:
@@ -289,9 +298,9 @@ class S3REngine:
             self.cache.set_length(request.slot, request.committed)
         self.stats.record_round(draft_counts, accepted_list, committed_counts)
         alive = [i for i, r in enumerate(requests) if r.status is not RequestStatus.FINISHED]
-        self._refresh_views(plan, alive, [requests[i] for i in alive], [requests[i].committed for i in alive])
+        self.refresh_views(plan, alive, [requests[i] for i in alive], [requests[i].committed for i in alive])
 
-    def _draft_pass(self, step: int, requests: list[Request], rows: list[int], draft_tokens, draft_scores) -> None:
+    def draft_pass(self, step: int, requests: list[Request], rows: list[int], draft_tokens, draft_scores) -> None:
         """Draft token `step + 1` for each request with sparse attention over its index view."""
         tokens, write, positions = [], [], []
         for request, row in zip(requests, rows):
@@ -372,7 +381,7 @@ class S3REngine:
             request.status = RequestStatus.FINISHED
         return stop
 
-    def _refresh_views(self, plan: StepPlan, segments: list[int], requests: list[Request], contexts: list[int]):
+    def refresh_views(self, plan: StepPlan, segments: list[int], requests: list[Request], contexts: list[int]):
         """New index views `R ∪ TopK` from the scores the dense forward recorded (DESIGN §4 step 4)."""
         if not requests:
             return

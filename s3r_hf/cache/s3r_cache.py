@@ -137,7 +137,9 @@ class S3RCache(Cache):
         self.step = None  # the StepPlan of the forward in flight, if any
         self.score_recording = False  # plain mode: record verify scores for the index-view refresh
         self.recorded_candidates: dict[int, torch.Tensor] = {}
-        self.plain_num_candidates = 0
+        self.recorded_history_len = 0
+        self.plain_num_candidates = 0  # top-K candidates to keep per layer in plain mode
+        self.plain_score_queries = 1  # trailing queries of a plain forward that form the verified block
 
     # ---------------------------------------------------------------- slots and pages
     @property

@@ -1,0 +1,114 @@
+"""Every bad input gets a clear error that names the problem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import s3r_hf
+from s3r_hf import KVCapacityError, S3RConfig, UnsupportedModelError
+from tests.conftest import TINY, left_padded_batch, tiny_model
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("draft_len", 0, r"draft_len must be an integer in \[1, 64\]"),
+        ("draft_len", 2.5, "draft_len"),
+        ("budget_ratio", 0.0, r"budget_ratio must be a number in \(0.0, 1.0\]"),
+        ("budget_ratio", 1.5, "budget_ratio"),
+        ("min_budget", -1, "min_budget must be an integer >= 1"),
+        ("page_size", 0, "page_size"),
+        ("num_pages", 0, "num_pages"),
+        ("concurrency_backoff", 1.0, "concurrency_backoff"),
+        ("utilization_high", 0.5, "utilization_high"),
+        ("seed", -3, "seed"),
+        ("return_logprobs", "yes", "return_logprobs"),
+    ],
+)
+def test_invalid_config_names_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        S3RConfig(**{field: value})
+
+
+def test_unknown_config_key_from_dict():
+    with pytest.raises(ValueError, match="Unknown S3RConfig field"):
+        S3RConfig.from_dict({"draft_length": 4})
+
+
+def test_invalid_config_passed_to_generate():
+    model = s3r_hf.enable(tiny_model())
+    input_ids, attention_mask = left_padded_batch([5])
+    with pytest.raises(ValueError, match="budget_ratio"):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, s3r_config={"budget_ratio": 2})
+
+
+def test_beam_search_is_rejected():
+    model = s3r_hf.enable(tiny_model())
+    input_ids, attention_mask = left_padded_batch([5, 7])
+    with pytest.raises(ValueError, match="beam search"):
+        model.generate(input_ids, attention_mask=attention_mask, num_beams=3, max_new_tokens=4,
+                       s3r_config=S3RConfig())
+
+
+def test_sliding_window_layers_are_rejected():
+    config = Qwen3Config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    model = Qwen3ForCausalLM(config).eval()
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        s3r_hf.enable(model)
+
+
+def test_mistral_sliding_window_is_rejected():
+    model = MistralForCausalLM(MistralConfig(**{**TINY, "sliding_window": 16})).eval()
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        s3r_hf.enable(model)
+
+
+def test_model_without_attention_interface_is_rejected():
+    model = tiny_model()
+    model._supports_attention_backend = False
+    with pytest.raises(UnsupportedModelError, match="AttentionInterface"):
+        s3r_hf.enable(model)
+
+
+def test_prompt_beyond_context_window():
+    model = s3r_hf.enable(tiny_model(max_position_embeddings=32))
+    input_ids, attention_mask = left_padded_batch([8, 40])
+    with pytest.raises(ValueError, match="context window of 32"):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, s3r_config=S3RConfig())
+
+
+def test_empty_prompts():
+    model = s3r_hf.enable(tiny_model())
+    input_ids, attention_mask = left_padded_batch([6, 4])
+    attention_mask[1] = 0
+    with pytest.raises(ValueError, match="empty prompt: row 1"):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, s3r_config=S3RConfig())
+
+
+def test_right_padding_is_rejected():
+    model = s3r_hf.enable(tiny_model())
+    input_ids, attention_mask = left_padded_batch([6, 4])
+    attention_mask[1] = torch.tensor([1, 1, 1, 1, 0, 0])
+    with pytest.raises(ValueError, match="left"):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, s3r_config=S3RConfig())
+
+
+def test_kv_capacity_too_small_for_one_request():
+    model = s3r_hf.enable(tiny_model())
+    input_ids, attention_mask = left_padded_batch([30])
+    config = S3RConfig(page_size=4, num_pages=5)
+    with pytest.raises(KVCapacityError, match="KV capacity too small for one request"):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, s3r_config=config)
+
+
+def test_s3r_config_with_custom_generate_or_assistant_is_rejected():
+    model = s3r_hf.enable(tiny_model())
+    input_ids, attention_mask = left_padded_batch([5])
+    with pytest.raises(ValueError, match="not both"):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=2, s3r_config=S3RConfig(),
+                       custom_generate=s3r_hf.generate)
+    with pytest.raises(ValueError, match="assistant_model"):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=2, s3r_config=S3RConfig(),
+                       assistant_model=model)
