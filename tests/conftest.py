@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+import os
+
+# Triton kernels run on CPU tensors through Triton's interpreter where there is no GPU (CI). The variable must be
+# set before anything imports Triton (torch and transformers may), hence before the imports below.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+# Tiny models: one thread is much faster than several contending for the CI machine's two cores.
+torch.set_num_threads(1)
 
 TINY = dict(
     vocab_size=256,

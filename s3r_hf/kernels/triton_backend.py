@@ -1,0 +1,286 @@
+"""Triton kernels with the signatures of `s3r_hf.kernels.reference`.
+
+- `paged_sparse_attention`: one program per (draft query, KV head); reads K/V through the index view and the
+  block table directly (no gather copy), online softmax over view + provisional tail.
+- `paged_dense_attention`: one program per (segment, KV head, query block) of the packed varlen batch; the
+  query block's rows are (query, GQA head) pairs so each K/V row read serves the whole group. For scored
+  segments the kernel also writes the scaled logits of the scored rows (a few rows per verify block) to a
+  scratch buffer while it streams K once; the verify scores are then `exp(logit - lse)` averaged per key
+  position, computed from that buffer without touching K again.
+- `select_topk_candidates`: `torch.topk` on the GPU.
+
+Run on CPU tensors under `TRITON_INTERPRET=1` (CI) and on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact IEEE products, so fp32 runs match the reference; bf16/fp16 use tensor cores anyway.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _sparse_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, view_ptr, view_len_ptr, tail_ptr, pos_ptr, out_ptr, lse_ptr,
+    stride_qn, stride_qh,
+    stride_kp, stride_ko, stride_kh,
+    stride_btn,
+    stride_vn, stride_vh,
+    stride_on, stride_oh,
+    stride_ln,
+    scale,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    query = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    rows = tl.arange(0, ROWS)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < GROUP
+    dim_ok = dims < HEAD_DIM
+    heads = kv_head * GROUP + rows
+    q = tl.load(
+        q_ptr + query * stride_qn + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+    )
+    view_len = tl.load(view_len_ptr + query)
+    tail = tl.load(tail_ptr + query)
+    position = tl.load(pos_ptr + query)
+    total = view_len + (position - tail + 1)
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for start in range(0, total, BLOCK_N):
+        idx = start + tl.arange(0, BLOCK_N)
+        valid = idx < total
+        in_view = idx < view_len
+        view_pos = tl.load(view_ptr + query * stride_vn + kv_head * stride_vh + idx, mask=valid & in_view, other=0)
+        key_pos = tl.where(in_view, view_pos, tail + idx - view_len)
+        key_pos = tl.where(valid, key_pos, 0)
+        page = tl.load(bt_ptr + query * stride_btn + key_pos // PAGE_SIZE).to(tl.int64)
+        row_base = page * stride_kp + (key_pos % PAGE_SIZE) * stride_ko + kv_head * stride_kh
+        kv_mask = valid[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + row_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + row_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + query * stride_on + heads[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
+    )
+    tl.store(lse_ptr + query * stride_ln + heads, m_i + tl.log(l_i), mask=row_ok)
+
+
+def paged_sparse_attention(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    index_view: torch.Tensor,
+    view_lens: torch.Tensor,
+    tail_starts: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `reference.paged_sparse_attention` (same arguments and results)."""
+    num_queries, num_heads, head_dim = query.shape
+    num_kv_heads = key_pool.shape[2]
+    group = num_heads // num_kv_heads
+    query, key_pool, value_pool = query.contiguous(), key_pool.contiguous(), value_pool.contiguous()
+    block_tables = block_tables.to(torch.int32).contiguous()
+    index_view = index_view.to(torch.int32).contiguous()
+    if index_view.shape[-1] == 0:  # keep a valid pointer for the (fully masked) view loads
+        index_view = torch.zeros(num_queries, num_kv_heads, 1, dtype=torch.int32, device=query.device)
+    out = torch.empty_like(query)
+    lse = torch.empty(num_queries, num_heads, dtype=torch.float32, device=query.device)
+    if num_queries == 0:
+        return out, lse
+    _sparse_decode_kernel[(num_queries, num_kv_heads)](
+        query, key_pool, value_pool, block_tables, index_view,
+        view_lens.to(torch.int32).contiguous(), tail_starts.to(torch.int32).contiguous(),
+        positions.to(torch.int32).contiguous(), out, lse,
+        query.stride(0), query.stride(1),
+        key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
+        block_tables.stride(0),
+        index_view.stride(0), index_view.stride(1),
+        out.stride(0), out.stride(1),
+        lse.stride(0),
+        scale,
+        PAGE_SIZE=key_pool.shape[1], GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=64,
+        PRECISION=_dot_precision(query.dtype),
+    )
+    return out, lse
+
+
+@triton.jit
+def _dense_varlen_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, pos_ptr, out_ptr, lse_ptr, logit_ptr, score_start_ptr,
+    stride_qn, stride_qh,
+    stride_kp, stride_ko, stride_kh,
+    stride_bts,
+    stride_on, stride_oh,
+    stride_ln,
+    stride_gs, stride_gh, stride_gr,
+    scale,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    SCORES: tl.constexpr,
+):
+    segment = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_block = tl.program_id(2)
+    seg_start = tl.load(cu_ptr + segment)
+    seg_end = tl.load(cu_ptr + segment + 1)
+    first = seg_start + q_block * BLOCK_M
+    if first < seg_end:
+        rows = tl.arange(0, ROWS)
+        dims = tl.arange(0, BLOCK_D)
+        query = first + rows // GROUP
+        row_ok = (rows < BLOCK_M * GROUP) & (query < seg_end)
+        dim_ok = dims < HEAD_DIM
+        heads = kv_head * GROUP + rows % GROUP
+        q_offsets = query[:, None] * stride_qn + heads[:, None] * stride_qh + dims[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        q_pos = tl.load(pos_ptr + query, mask=row_ok, other=-1)
+        context = tl.max(q_pos, 0) + 1
+        if SCORES:
+            score_start = tl.load(score_start_ptr + segment)
+            scored_row = (query - seg_start - score_start) * GROUP + rows % GROUP
+            scored = row_ok & (query - seg_start >= score_start)  # unscored segments carry a start past the end
+
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        for start in range(0, context, BLOCK_N):
+            key_pos = start + tl.arange(0, BLOCK_N)
+            key_ok = key_pos < context
+            page = tl.load(bt_ptr + segment * stride_bts + key_pos // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+            row_base = page * stride_kp + (key_pos % PAGE_SIZE) * stride_ko + kv_head * stride_kh
+            kv_mask = key_ok[:, None] & dim_ok[None, :]
+            k = tl.load(k_ptr + row_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            if SCORES:
+                logit_offsets = segment * stride_gs + kv_head * stride_gh + scored_row[:, None] * stride_gr
+                tl.store(logit_ptr + logit_offsets + key_pos[None, :], s, mask=scored[:, None] & key_ok[None, :])
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see no key at all
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + row_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        o_offsets = query[:, None] * stride_on + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(lse_ptr + query * stride_ln + heads, m_i + tl.log(l_safe), mask=row_ok)
+
+
+def paged_dense_attention(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    score_starts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Triton version of `reference.paged_dense_attention` (same arguments and results)."""
+    num_queries, num_heads, head_dim = query.shape
+    num_kv_heads = key_pool.shape[2]
+    group = num_heads // num_kv_heads
+    num_segments = cu_seqlens.shape[0] - 1
+    query, key_pool, value_pool = query.contiguous(), key_pool.contiguous(), value_pool.contiguous()
+    block_tables = block_tables.to(torch.int32).contiguous()
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    positions = positions.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    lse = torch.empty(num_queries, num_heads, dtype=torch.float32, device=query.device)
+    if num_queries == 0 or num_segments == 0:
+        return out, lse, None
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    last = (cu_seqlens[1:].long() - 1).clamp(min=0)
+    contexts = torch.where(lengths > 0, positions.long()[last] + 1, torch.zeros_like(lengths))
+    max_len, max_context = (int(v) for v in torch.stack([lengths.max(), contexts.max()]).tolist())
+
+    block_m = max(1, min(triton.next_power_of_2(max_len), 64 // group if group < 64 else 1))
+    rows = max(16, triton.next_power_of_2(block_m * group))
+    logits = None
+    if score_starts is not None:
+        starts = score_starts.long()
+        scored_queries = torch.where(starts >= 0, lengths - starts, torch.zeros_like(lengths)).clamp(min=0)
+        max_scored = max(1, int(scored_queries.max()))
+        logits = torch.full(
+            (num_segments, num_kv_heads, max_scored * group, max(max_context, 1)), float("-inf"),
+            dtype=torch.float32, device=query.device,
+        )
+        kernel_starts = torch.where(starts >= 0, starts, lengths + 1).to(torch.int32).contiguous()
+    scratch = logits if logits is not None else lse  # any valid pointer when scores are off
+    grid = (num_segments, num_kv_heads, triton.cdiv(max_len, block_m))
+    _dense_varlen_kernel[grid](
+        query, key_pool, value_pool, block_tables, cu, positions, out, lse, scratch,
+        kernel_starts if score_starts is not None else cu,
+        query.stride(0), query.stride(1),
+        key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        lse.stride(0),
+        scratch.stride(0) if logits is not None else 0,
+        scratch.stride(1) if logits is not None else 0,
+        scratch.stride(2) if logits is not None else 0,
+        scale,
+        PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=32, PRECISION=_dot_precision(query.dtype),
+        SCORES=logits is not None,
+    )
+    if logits is None:
+        return out, lse, None
+    return out, lse, _reduce_scores(logits, lse, cu_seqlens, score_starts, scored_queries, group)
+
+
+def _reduce_scores(logits, lse, cu_seqlens, score_starts, scored_queries, group) -> torch.Tensor:
+    """Mean softmax weight per key position from the scored rows' logits and their saved LSE."""
+    num_segments, num_kv_heads, max_rows, _ = logits.shape
+    row = torch.arange(max_rows, device=logits.device)
+    query_offset = row // group  # scored query index inside the segment's scored block
+    head_in_group = row % group
+    query = cu_seqlens[:-1].long()[:, None] + score_starts.long().clamp(min=0)[:, None] + query_offset[None, :]
+    row_ok = query_offset[None, :] < scored_queries[:, None]  # [S, R]
+    query = torch.where(row_ok, query, torch.zeros_like(query))
+    heads = torch.arange(num_kv_heads, device=logits.device)[:, None] * group + head_in_group[None, :]  # [Hkv, R]
+    row_lse = lse[query[:, None, :], heads[None, :, :]]  # [S, Hkv, R]
+    weights = torch.exp(logits - row_lse[..., None])
+    weights = weights.masked_fill(~row_ok[:, None, :, None], 0.0)
+    counts = (scored_queries * group).clamp(min=1).to(torch.float32)
+    return weights.sum(dim=2) / counts[:, None, None]
+
+
+def select_topk_candidates(scores: torch.Tensor, history_lens: torch.Tensor, num_candidates: int) -> torch.Tensor:
+    """`torch.topk` version of `reference.select_topk_candidates` (tie order may differ)."""
+    num_segments, num_kv_heads, length = scores.shape
+    keep = min(num_candidates, length)
+    in_history = torch.arange(length, device=scores.device)[None, :] < history_lens[:, None].to(scores.device)
+    masked = scores.masked_fill(~in_history[:, None, :], float("-inf"))
+    order = torch.topk(masked, keep, dim=-1, sorted=True).indices
+    picked = torch.gather(in_history[:, None, :].expand(-1, num_kv_heads, -1), 2, order)
+    result = torch.full((num_segments, num_kv_heads, num_candidates), -1, dtype=torch.int32, device=scores.device)
+    result[..., :keep] = torch.where(picked, order, torch.full_like(order, -1)).to(torch.int32)
+    return result

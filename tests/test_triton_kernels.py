@@ -1,0 +1,122 @@
+"""Triton kernels against the torch reference (CPU through TRITON_INTERPRET=1; CUDA when present)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from s3r_hf.kernels import get_backend, reference
+
+triton_backend = pytest.importorskip("s3r_hf.kernels.triton_backend", reason="triton is not installed")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def paged_pools(num_pages, page_size, num_kv_heads, head_dim, generator):
+    key_pool = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=generator)
+    value_pool = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=generator)
+    return key_pool.to(DEVICE), value_pool.to(DEVICE)
+
+
+def block_tables_for(contexts, page_size, num_pages, generator):
+    """Shuffled, non-contiguous pages per request."""
+    per = [-(-c // page_size) for c in contexts]
+    order = torch.randperm(num_pages, generator=generator)
+    table = torch.zeros(len(contexts), max(per), dtype=torch.int32)
+    used = 0
+    for row, count in enumerate(per):
+        table[row, :count] = order[used : used + count].int()
+        used += count
+    return table.to(DEVICE)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("scored", [False, True])
+def test_dense_attention_matches_reference(page_size, group, scored):
+    generator = torch.Generator().manual_seed(page_size * 10 + group)
+    num_kv_heads, head_dim = 2, 16
+    seg_lens = [7, 1, 12, 3]
+    contexts = [19, 33, 12, 40]  # the third segment is a whole prompt (prefill from position 0)
+    num_pages = sum(-(-c // page_size) for c in contexts) + 2
+    key_pool, value_pool = paged_pools(num_pages, page_size, num_kv_heads, head_dim, generator)
+    tables = block_tables_for(contexts, page_size, num_pages, generator)
+    positions = torch.cat([torch.arange(c - n, c) for c, n in zip(contexts, seg_lens)]).to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(seg_lens).cumsum(0).tolist()], device=DEVICE)
+    query = torch.randn(sum(seg_lens), num_kv_heads * group, head_dim, generator=generator).to(DEVICE)
+    starts = torch.tensor([0, 0, 9, -1], device=DEVICE) if scored else None
+    expected = reference.paged_dense_attention(query, key_pool, value_pool, tables, cu, positions, 0.3, starts)
+    actual = triton_backend.paged_dense_attention(query, key_pool, value_pool, tables, cu, positions, 0.3, starts)
+    torch.testing.assert_close(actual[0], expected[0], **TOL)
+    torch.testing.assert_close(actual[1], expected[1], **TOL)
+    if scored:
+        torch.testing.assert_close(actual[2], expected[2], **TOL)
+    else:
+        assert actual[2] is None
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("group", [1, 2, 3])
+@pytest.mark.parametrize("view_width", [0, 5, 70])
+def test_sparse_attention_matches_reference(page_size, group, view_width):
+    generator = torch.Generator().manual_seed(page_size + 7 * group + view_width)
+    num_kv_heads, head_dim = 2, 16
+    contexts = [90, 75, 80]  # committed lengths
+    tails = [1, 3, 6]  # provisional draft positions written so far (the query is the last)
+    num_pages = sum(-(-(c + t) // page_size) for c, t in zip(contexts, tails)) + 2
+    key_pool, value_pool = paged_pools(num_pages, page_size, num_kv_heads, head_dim, generator)
+    tables = block_tables_for([c + t for c, t in zip(contexts, tails)], page_size, num_pages, generator)
+    lens = torch.tensor([min(view_width, c) for c in contexts])
+    view = torch.zeros(len(contexts), num_kv_heads, max(view_width, 1), dtype=torch.int32)
+    for row, context in enumerate(contexts):
+        for head in range(num_kv_heads):
+            picked = torch.randperm(context, generator=generator)[: int(lens[row])].sort().values
+            view[row, head, : picked.numel()] = picked.int()
+    # Entries past a view's length are garbage the kernel must not read.
+    view[0, :, int(lens[0]) :] = 10**6 if view_width else 0
+    tail_starts = torch.tensor(contexts)
+    positions = tail_starts + torch.tensor(tails) - 1
+    query = torch.randn(len(contexts), num_kv_heads * group, head_dim, generator=generator).to(DEVICE)
+    args = (query, key_pool, value_pool, tables, view.to(DEVICE), lens.to(DEVICE), tail_starts.to(DEVICE),
+            positions.to(DEVICE), 0.25)
+    expected_view = view.clone()
+    expected_view[0, :, int(lens[0]) :] = 0  # the reference masks entries past the length too
+    expected = reference.paged_sparse_attention(*args[:4], expected_view.to(DEVICE), *args[5:])
+    actual = triton_backend.paged_sparse_attention(*args)
+    torch.testing.assert_close(actual[0], expected[0], **TOL)
+    torch.testing.assert_close(actual[1], expected[1], **TOL)
+
+
+def test_topk_matches_reference_without_ties():
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.rand(3, 2, 50, generator=generator).to(DEVICE)
+    history = torch.tensor([50, 20, 3], device=DEVICE)
+    expected = reference.select_topk_candidates(scores, history, 8)
+    actual = triton_backend.select_topk_candidates(scores, history, 8)
+    assert torch.equal(actual, expected)
+
+
+def test_backend_selection(monkeypatch):
+    assert get_backend("cpu") is reference
+    monkeypatch.setenv("S3R_HF_KERNELS", "triton")
+    assert get_backend("cpu") is triton_backend
+    monkeypatch.setenv("S3R_HF_KERNELS", "fast")
+    with pytest.raises(ValueError, match="S3R_HF_KERNELS"):
+        get_backend("cpu")
+
+
+def test_greedy_generation_with_triton_kernels_matches_dense(monkeypatch):
+    import s3r_hf
+    from s3r_hf import S3RConfig
+    from tests.conftest import left_padded_batch, tiny_model
+
+    model = s3r_hf.enable(tiny_model("qwen3", seed=21))
+    input_ids, attention_mask = left_padded_batch([9, 23, 15], seed=22)
+    dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12)
+    monkeypatch.setenv("S3R_HF_KERNELS", "triton")
+    config = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4)
+    out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12,
+                         s3r_config=config)
+    assert torch.equal(out, dense)
+    assert out.s3r_stats.drafted > out.s3r_stats.accepted
