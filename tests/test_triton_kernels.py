@@ -111,8 +111,8 @@ def test_greedy_generation_with_triton_kernels_matches_dense(monkeypatch):
     from s3r_hf import S3RConfig
     from tests.conftest import left_padded_batch, tiny_model
 
-    model = s3r_hf.enable(tiny_model("qwen3", seed=21))
-    input_ids, attention_mask = left_padded_batch([9, 23, 15], seed=22)
+    model = s3r_hf.enable(tiny_model("qwen3", seed=21).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 23, 15], seed=22))
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12)
     monkeypatch.setenv("S3R_HF_KERNELS", "triton")
     config = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4)
