@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from .demo import (
     add_demo_arguments,
@@ -63,9 +64,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="tokenize the prompts as given, without the chat template",
     )
-    parser.add_argument(
-        "--dense", action="store_true", help="plain model.generate without S3R, for comparison"
-    )
+    parser.add_argument("--dense", action="store_true", help="plain model.generate without S3R, for comparison")
     add_s3r_arguments(parser)
 
 
@@ -80,9 +79,7 @@ def generate_from_args(args: argparse.Namespace, console: Console | None = None)
 
         set_seed(args.seed)
     with console.status(f"Loading {args.model}"), quiet_hf_progress_bars():
-        model, tokenizer = load_model_and_tokenizer(
-            args.model, dtype=resolve_dtype(args.dtype), device=args.device
-        )
+        model, tokenizer = load_model_and_tokenizer(args.model, dtype=resolve_dtype(args.dtype), device=args.device)
         model = enable(model)
     batch = build_batch(tokenizer, args.prompt, device=model.device, chat_template=not args.no_chat_template)
     kwargs: dict[str, Any] = {
@@ -106,7 +103,7 @@ def generate_from_args(args: argparse.Namespace, console: Console | None = None)
         tokenizer.decode(new_tokens[i, :n].tolist(), skip_special_tokens=True) for i, n in enumerate(lengths)
     ]
     for prompt, completion in zip(args.prompt, completions):
-        console.rule(f"[bold]{prompt}", align="left")
+        console.rule(f"[bold]{escape(prompt)}", align="left")
         console.print(completion.strip(), highlight=False, markup=False)
     console.rule()
     tokens = sum(lengths)
@@ -139,8 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `s3r-hf` argument parser."""
     parser = argparse.ArgumentParser(
         prog="s3r-hf",
-        description="Self-Sparse Speculative Rollouts for HuggingFace transformers: exact dense samples, "
-        "faster.",
+        description="Self-Sparse Speculative Rollouts for HuggingFace transformers: exact dense samples, faster.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = commands.add_parser(

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -78,9 +79,7 @@ def build_batch(
             for prompt in prompts
         ]
         # The template already writes the special tokens it wants (e.g. a BOS); don't add them twice.
-        batch = tokenizer(
-            texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
-        )
+        batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     else:
         batch = tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left")
     return batch.to(device) if device is not None else batch
@@ -183,7 +182,8 @@ def run_demo(
     problems = [problems[i % len(problems)] for i in range(num_prompts)]
 
     console.print(
-        f"[bold]S3R demo[/] model={model_name_or_path} prompts={num_prompts} max_new_tokens={max_new_tokens}"
+        f"[bold]S3R demo[/] model={escape(str(model_name_or_path))} prompts={num_prompts} "
+        f"max_new_tokens={max_new_tokens}"
     )
     console.print(f"S3R config: {_describe_config(config)}")
     paper_min_budget = S3RConfig().min_budget
@@ -208,9 +208,7 @@ def run_demo(
         progress.update(task, advance=1, description="Warming up (dense and S3R)")
         warm = min(16, max_new_tokens)
         timed_generate(model, batch, max_new_tokens=warm, **common)
-        timed_generate(
-            model, batch, max_new_tokens=warm, s3r_config=config, return_dict_in_generate=True, **common
-        )
+        timed_generate(model, batch, max_new_tokens=warm, s3r_config=config, return_dict_in_generate=True, **common)
 
         progress.update(task, advance=1, description="Dense greedy generate")
         dense_out, dense_seconds = timed_generate(model, batch, max_new_tokens=max_new_tokens, **common)
@@ -286,28 +284,22 @@ def _describe_config(config: S3RConfig) -> str:
 
 def _print_results(console: Console, results: dict[str, Any]) -> None:
     dense, s3r = results["dense"], results["s3r"]
-    table = Table(title=f"Greedy decoding, batch of {results['num_prompts']} ({results['device']})")
-    for header in (
-        "method",
-        "generated tokens",
-        "seconds",
-        "tokens/s",
-        "acceptance rate",
-        "τ",
-        "matches dense",
-    ):
-        table.add_column(header, justify="left" if header == "method" else "right")
+    title = f"Greedy decoding, batch of {results['num_prompts']}, {results['device']}, {results['dtype']}"
+    table = Table(title=title, caption="τ: tokens committed per verification round, bonus token included")
+    headers = ("method", "gen. tokens", "seconds", "tok/s", "accept rate", "τ", "matches dense")
+    for header in headers:
+        table.add_column(header, justify="left" if header == "method" else "right", no_wrap=True)
     table.add_row(
-        "dense (model.generate)",
+        "dense",
         str(dense["generated_tokens"]),
         f"{dense['seconds']:.2f}",
         f"{dense['tokens_per_s']:.1f}",
         "-",
         "-",
-        "(reference)",
+        "reference",
     )
     match = f"{results['rows_matching']}/{results['num_prompts']}"
-    match = f"[green]{match} yes[/]" if results["outputs_match"] else f"[red]{match} no[/]"
+    match = f"[green]yes {match}[/]" if results["outputs_match"] else f"[red]no {match}[/]"
     table.add_row(
         "S3R",
         str(s3r["generated_tokens"]),
@@ -322,8 +314,9 @@ def _print_results(console: Console, results: dict[str, Any]) -> None:
     if "per_position_acceptance" in s3r:
         per_position = ", ".join(f"{p:.2f}" for p in s3r["per_position_acceptance"])
         console.print(f"Per-position acceptance: [{per_position}]")
-    console.print(f"\n[bold]Q:[/] {results['questions'][0]}  [dim](expected {results['answers'][0]})[/]")
-    console.print(f"[bold]S3R:[/] {results['completions']['s3r'][0].strip()}", highlight=False)
+    question, answer = escape(results["questions"][0]), escape(results["answers"][0])
+    console.print(f"\n[bold]Q:[/] {question}  [dim](expected {answer})[/]")
+    console.print(f"[bold]S3R:[/] {escape(results['completions']['s3r'][0].strip())}", highlight=False)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -373,9 +366,7 @@ def add_s3r_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] 
 
 def s3r_config_from_args(args: argparse.Namespace, **extra: Any) -> S3RConfig:
     """`S3RConfig` from the flags `add_s3r_arguments` added, plus any other fields in `extra`."""
-    return S3RConfig(
-        draft_len=args.draft_len, budget_ratio=args.budget_ratio, min_budget=args.min_budget, **extra
-    )
+    return S3RConfig(draft_len=args.draft_len, budget_ratio=args.budget_ratio, min_budget=args.min_budget, **extra)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -387,9 +378,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="model directory, Hub id or .gguf file (default: the embedded %(default)s)",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (%(default)s)"
-    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (%(default)s)")
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -398,9 +387,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-prompts", type=positive_int, default=4, help="batch size; the 8 bundled prompts are reused"
     )
-    parser.add_argument(
-        "--max-new-tokens", type=positive_int, default=128, help="tokens to generate (%(default)s)"
-    )
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate (%(default)s)")
     add_s3r_arguments(parser, DEMO_S3R_KWARGS)
 
 

