@@ -31,10 +31,18 @@ def block_tables_for(contexts, page_size, num_pages, generator):
     return table.to(DEVICE)
 
 
+@pytest.fixture(params=[None, 3], ids=["auto-splits", "3-splits"])
+def key_splits(request, monkeypatch):
+    """Also run every kernel with its keys split over 3 programs (flash-decoding path) at these small sizes."""
+    if request.param is not None:
+        monkeypatch.setattr(triton_backend, "_num_splits", lambda programs, keys, min_keys: min(request.param, keys))
+    return request.param
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
 @pytest.mark.parametrize("scored", [False, True])
-def test_dense_attention_matches_reference(page_size, group, scored):
+def test_dense_attention_matches_reference(page_size, group, scored, key_splits):
     generator = torch.Generator().manual_seed(page_size * 10 + group)
     num_kv_heads, head_dim = 2, 16
     seg_lens = [7, 1, 12, 3]
@@ -59,7 +67,7 @@ def test_dense_attention_matches_reference(page_size, group, scored):
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("group", [1, 2, 3])
 @pytest.mark.parametrize("view_width", [0, 5, 70])
-def test_sparse_attention_matches_reference(page_size, group, view_width):
+def test_sparse_attention_matches_reference(page_size, group, view_width, key_splits):
     generator = torch.Generator().manual_seed(page_size + 7 * group + view_width)
     num_kv_heads, head_dim = 2, 16
     contexts = [90, 75, 80]  # committed lengths

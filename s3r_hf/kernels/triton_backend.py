@@ -31,14 +31,15 @@ def _sparse_decode_kernel(
     stride_kp, stride_ko, stride_kh,
     stride_btn,
     stride_vn, stride_vh,
-    stride_on, stride_oh,
-    stride_ln,
-    scale,
+    stride_os, stride_on, stride_oh,
+    stride_ls, stride_ln,
+    scale, keys_per_split,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     query = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < GROUP
@@ -52,13 +53,15 @@ def _sparse_decode_kernel(
     tail = tl.load(tail_ptr + query)
     position = tl.load(pos_ptr + query)
     total = view_len + (position - tail + 1)
+    lo = split * keys_per_split
+    hi = tl.minimum(total, lo + keys_per_split)
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for start in range(0, total, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         idx = start + tl.arange(0, BLOCK_N)
-        valid = idx < total
+        valid = idx < hi
         in_view = idx < view_len
         view_pos = tl.load(view_ptr + query * stride_vn + kv_head * stride_vh + idx, mask=valid & in_view, other=0)
         key_pos = tl.where(in_view, view_pos, tail + idx - view_len)
@@ -76,12 +79,13 @@ def _sparse_decode_kernel(
         v = tl.load(v_ptr + row_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / l_i[:, None]
+    # Partial result of this split (an empty split stores lse = -inf and zeros); `_merge_splits` combines.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
     tl.store(
-        out_ptr + query * stride_on + heads[:, None] * stride_oh + dims[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
+        out_ptr + split * stride_os + query * stride_on + heads[:, None] * stride_oh + dims[None, :],
+        acc / l_safe[:, None], mask=row_ok[:, None] & dim_ok[None, :],
     )
-    tl.store(lse_ptr + query * stride_ln + heads, m_i + tl.log(l_i), mask=row_ok)
+    tl.store(lse_ptr + split * stride_ls + query * stride_ln + heads, m_i + tl.log(l_i), mask=row_ok)
 
 
 def paged_sparse_attention(
@@ -104,11 +108,14 @@ def paged_sparse_attention(
     index_view = index_view.to(torch.int32).contiguous()
     if index_view.shape[-1] == 0:  # keep a valid pointer for the (fully masked) view loads
         index_view = torch.zeros(num_queries, num_kv_heads, 1, dtype=torch.int32, device=query.device)
-    out = torch.empty_like(query)
-    lse = torch.empty(num_queries, num_heads, dtype=torch.float32, device=query.device)
     if num_queries == 0:
-        return out, lse
-    _sparse_decode_kernel[(num_queries, num_kv_heads)](
+        return torch.empty_like(query), torch.empty(0, num_heads, dtype=torch.float32, device=query.device)
+    longest = int((view_lens.max() + (positions - tail_starts).max() + 1).item())
+    splits = _num_splits(num_queries * num_kv_heads, longest, min_keys=128)
+    keys_per_split = -(-longest // splits)
+    out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=torch.float32, device=query.device)
+    lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
+    _sparse_decode_kernel[(num_queries, num_kv_heads, splits)](
         query, key_pool, value_pool, block_tables, index_view,
         view_lens.to(torch.int32).contiguous(), tail_starts.to(torch.int32).contiguous(),
         positions.to(torch.int32).contiguous(), out, lse,
@@ -116,14 +123,38 @@ def paged_sparse_attention(
         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
         block_tables.stride(0),
         index_view.stride(0), index_view.stride(1),
-        out.stride(0), out.stride(1),
-        lse.stride(0),
-        scale,
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        scale, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=64,
         PRECISION=_dot_precision(query.dtype),
     )
-    return out, lse
+    merged, merged_lse = _merge_splits(out, lse)
+    return merged.to(query.dtype), merged_lse
+
+
+# Enough programs to fill the GPU several times over (132 SMs on an H100/H200).
+_TARGET_PROGRAMS = 528
+
+
+def _num_splits(programs: int, keys: int, min_keys: int) -> int:
+    """Split each row's keys over several programs (flash-decoding) when there are too few programs."""
+    if programs >= _TARGET_PROGRAMS:
+        return 1
+    return max(1, min(-(-_TARGET_PROGRAMS // max(programs, 1)), -(-keys // min_keys)))
+
+
+def _merge_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine per-split softmax results `[P, N, H, D]`, `[P, N, H]` into one (log-sum-exp weighting)."""
+    if out.shape[0] == 1:
+        return out[0], lse[0]
+    top = lse.max(dim=0).values
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(lse - top)
+    total = weights.sum(dim=0)
+    merged = (weights[..., None] * out).sum(dim=0) / total.clamp(min=1e-30)[..., None]
+    return merged, top + torch.log(total)
 
 
 @triton.jit
@@ -132,17 +163,18 @@ def _dense_varlen_kernel(
     stride_qn, stride_qh,
     stride_kp, stride_ko, stride_kh,
     stride_bts,
-    stride_on, stride_oh,
-    stride_ln,
+    stride_os, stride_on, stride_oh,
+    stride_ls, stride_ln,
     stride_gs, stride_gh, stride_gr,
-    scale,
+    scale, num_q_blocks, keys_per_split,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     SCORES: tl.constexpr,
 ):
     segment = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_block = tl.program_id(2)
+    q_block = tl.program_id(2) % num_q_blocks
+    split = tl.program_id(2) // num_q_blocks
     seg_start = tl.load(cu_ptr + segment)
     seg_end = tl.load(cu_ptr + segment + 1)
     first = seg_start + q_block * BLOCK_M
@@ -157,6 +189,8 @@ def _dense_varlen_kernel(
         q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         q_pos = tl.load(pos_ptr + query, mask=row_ok, other=-1)
         context = tl.max(q_pos, 0) + 1
+        lo = split * keys_per_split
+        hi = tl.minimum(context, lo + keys_per_split)
         if SCORES:
             score_start = tl.load(score_start_ptr + segment)
             scored_row = (query - seg_start - score_start) * GROUP + rows % GROUP
@@ -165,9 +199,9 @@ def _dense_varlen_kernel(
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-        for start in range(0, context, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             key_pos = start + tl.arange(0, BLOCK_N)
-            key_ok = key_pos < context
+            key_ok = key_pos < hi
             page = tl.load(bt_ptr + segment * stride_bts + key_pos // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
             row_base = page * stride_kp + (key_pos % PAGE_SIZE) * stride_ko + kv_head * stride_kh
             kv_mask = key_ok[:, None] & dim_ok[None, :]
@@ -186,11 +220,11 @@ def _dense_varlen_kernel(
             v = tl.load(v_ptr + row_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
+        # Partial result of this split (rows without keys here store lse = -inf); `_merge_splits` combines.
         l_safe = tl.where(l_i > 0, l_i, 1.0)
-        out = acc / l_safe[:, None]
-        o_offsets = query[:, None] * stride_on + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-        tl.store(lse_ptr + query * stride_ln + heads, m_i + tl.log(l_safe), mask=row_ok)
+        o_offsets = split * stride_os + query[:, None] * stride_on + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + o_offsets, acc / l_safe[:, None], mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(lse_ptr + split * stride_ls + query * stride_ln + heads, m_i + tl.log(l_i), mask=row_ok)
 
 
 def paged_dense_attention(
@@ -212,10 +246,9 @@ def paged_dense_attention(
     block_tables = block_tables.to(torch.int32).contiguous()
     cu = cu_seqlens.to(torch.int32).contiguous()
     positions = positions.to(torch.int32).contiguous()
-    out = torch.empty_like(query)
-    lse = torch.empty(num_queries, num_heads, dtype=torch.float32, device=query.device)
     if num_queries == 0 or num_segments == 0:
-        return out, lse, None
+        empty_lse = torch.empty(num_queries, num_heads, dtype=torch.float32, device=query.device)
+        return torch.empty_like(query), empty_lse, None
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     last = (cu_seqlens[1:].long() - 1).clamp(min=0)
     contexts = torch.where(lengths > 0, positions.long()[last] + 1, torch.zeros_like(lengths))
@@ -233,24 +266,31 @@ def paged_dense_attention(
             dtype=torch.float32, device=query.device,
         )
         kernel_starts = torch.where(starts >= 0, starts, lengths + 1).to(torch.int32).contiguous()
-    scratch = logits if logits is not None else lse  # any valid pointer when scores are off
-    grid = (num_segments, num_kv_heads, triton.cdiv(max_len, block_m))
+    scratch = logits if logits is not None else positions  # any valid pointer when scores are off
+    num_q_blocks = triton.cdiv(max_len, block_m)
+    splits = _num_splits(num_segments * num_kv_heads * num_q_blocks, max_context, min_keys=256)
+    keys_per_split = -(-max_context // splits)
+    out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=torch.float32, device=query.device)
+    lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
+    grid = (num_segments, num_kv_heads, num_q_blocks * splits)
     _dense_varlen_kernel[grid](
         query, key_pool, value_pool, block_tables, cu, positions, out, lse, scratch,
         kernel_starts if score_starts is not None else cu,
         query.stride(0), query.stride(1),
         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        lse.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
         scratch.stride(0) if logits is not None else 0,
         scratch.stride(1) if logits is not None else 0,
         scratch.stride(2) if logits is not None else 0,
-        scale,
+        scale, num_q_blocks, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=32, PRECISION=_dot_precision(query.dtype),
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=64, PRECISION=_dot_precision(query.dtype),
         SCORES=logits is not None,
     )
+    merged, lse = _merge_splits(out, lse)
+    out = merged.to(query.dtype)
     if logits is None:
         return out, lse, None
     return out, lse, _reduce_scores(logits, lse, cu_seqlens, score_starts, scored_queries, group)
