@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from .bench import add_bench_arguments, bench_from_args
 from .demo import (
     add_demo_arguments,
     add_model_arguments,
@@ -154,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_generate_arguments(generate)
     generate.set_defaults(handler=generate_from_args, subparser=generate)
+    bench = commands.add_parser(
+        "bench",
+        help="time S3R against dense decoding in the same engine and against model.generate",
+        description="Time S3R, the engine's dense decoding (AR) and model.generate on the same prompts.",
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(handler=bench_from_args, subparser=bench)
     return parser
 
 
@@ -164,10 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    try:  # report an invalid S3R setting as a usage error, before any model is loaded
-        s3r_config_from_args(args, seed=getattr(args, "seed", None))
-    except ValueError as error:
-        args.subparser.error(str(error))
+    if args.command in ("demo", "generate"):
+        try:  # report an invalid S3R setting as a usage error, before any model is loaded
+            s3r_config_from_args(args, seed=getattr(args, "seed", None))
+        except ValueError as error:
+            args.subparser.error(str(error))
     if getattr(args, "do_sample", True) is False:
         given = [flag for flag in ("temperature", "top_p", "top_k") if getattr(args, flag, None) is not None]
         if given:

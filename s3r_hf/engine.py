@@ -7,6 +7,7 @@ tokens into one varlen batch described by a `StepPlan`, so mixed-stage steps can
 from __future__ import annotations
 
 import inspect
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -50,9 +51,16 @@ class S3REngine:
         config: the S3R configuration.
         sampling: logits processors, greedy/sample, stop rules, random generator.
         cache: the `S3RCache` to use (sized by the caller).
-        unverified_drafts: diagnostic only, NOT exact: commit the sparse drafter's tokens without the
-            acceptance test (what a plain sparse rollout samples). Used to show the exactness test has power.
+        mode: `"s3r"` (exact speculative rounds); `"ar"` (dense autoregressive decoding in the same engine, the
+            baseline S3R is measured against); `"unverified"` (diagnostic, NOT exact: commit the sparse
+            drafter's tokens without the acceptance test, what a plain sparse rollout samples; it exists to show
+            that the exactness tests have power).
+        forced_acceptance: benchmark-only, NOT exact: accept each draft with this probability instead of the
+            ratio test, so random-weight models can time the cost side of a given acceptance pattern.
+        timing: synchronize the device around prefill and decoding and record their wall time in the stats.
     """
+
+    MODES = ("s3r", "ar", "unverified")
 
     def __init__(
         self,
@@ -60,13 +68,21 @@ class S3REngine:
         config: S3RConfig,
         sampling: SamplingSetup,
         cache: S3RCache,
-        unverified_drafts: bool = False,
+        mode: str = "s3r",
+        forced_acceptance: float | None = None,
+        timing: bool = False,
     ) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"engine mode must be one of {self.MODES}, got {mode!r}")
+        if forced_acceptance is not None and not 0.0 <= forced_acceptance <= 1.0:
+            raise ValueError(f"forced_acceptance must be in [0, 1], got {forced_acceptance}")
         self.model = model
         self.config = config
         self.sampling = sampling
         self.cache = cache
-        self.unverified_drafts = unverified_drafts
+        self.mode = mode
+        self.forced_acceptance = forced_acceptance
+        self.timing = timing
         self.device = cache.device
         self.stats = S3RStats()
         self.concurrency = AIMDConcurrency(config)
@@ -87,17 +103,25 @@ class S3REngine:
             while waiting or running or paused:
                 self._restore_and_admit(waiting, running, paused)
                 prefilling = [r for r in running if r.prefilled < r.prompt_len]
+                started = self._clock()
                 if prefilling:
                     self._prefill_step(prefilling)
+                    self.stats.prefill_seconds += self._clock() - started
                 else:
                     self._make_room_for_round(running, paused)
                     self._round(running)
+                    self.stats.decode_seconds += self._clock() - started
                 for request in [r for r in running if r.status is RequestStatus.FINISHED]:
                     running.remove(request)
                     self.cache.release(request.slot)
                     request.slot = None
                 self.concurrency.update(self.cache.utilization, len(paused))
         return self.stats
+
+    def _clock(self) -> float:
+        if self.timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _pages_needed(self, request: Request) -> int:
         """Pages for the request's context plus one full round."""
@@ -255,7 +279,9 @@ class S3REngine:
     # ================================================================ one S3R round
     def _draft_count(self, request: Request) -> int:
         """Drafts this round: `max_new_tokens` shortens the last block (the round adds drafts + 1 tokens)."""
-        if self.unverified_drafts:
+        if self.mode == "ar":
+            return 0
+        if self.mode == "unverified":
             return min(self.config.draft_len, request.remaining)
         return max(0, min(self.config.draft_len, request.remaining - 1))
 
@@ -272,9 +298,11 @@ class S3REngine:
             self.draft_pass(step, [requests[i] for i in rows], rows, draft_tokens, draft_scores)
         plan, logits, target_scores = self._verify(requests, draft_counts, draft_tokens)
         num_drafts = self._tensor(draft_counts)
-        if self.unverified_drafts:
+        if self.mode == "unverified":
             num_accepted = (num_drafts - 1).clamp(min=0)
             next_tokens = draft_tokens[torch.arange(len(requests)), num_accepted]
+        elif self.forced_acceptance is not None:
+            num_accepted, next_tokens = self._forced_accept(draft_tokens, target_scores, num_drafts)
         else:
             result = speculative_accept(
                 draft_tokens[:, :max_drafts], draft_scores[:, :max_drafts], target_scores, num_drafts,
@@ -296,9 +324,22 @@ class S3REngine:
             # K/V of the pending token and the accepted drafts are now dense and valid; the rest is discarded.
             request.committed = context + accepted_list[row] + 1
             self.cache.set_length(request.slot, request.committed)
+        self.stats.steps += 1
         self.stats.record_round(draft_counts, accepted_list, committed_counts)
+        if self.mode == "ar":
+            return  # dense decoding never drafts, so it keeps no index views
         alive = [i for i, r in enumerate(requests) if r.status is not RequestStatus.FINISHED]
         self.refresh_views(plan, alive, [requests[i] for i in alive], [requests[i].committed for i in alive])
+
+    def _forced_accept(self, draft_tokens, target_scores, num_drafts):
+        """Benchmark-only acceptance pattern (NOT exact): each draft passes with probability `forced_acceptance`."""
+        rows = torch.arange(draft_tokens.shape[0], device=self.device)
+        coins = torch.rand(draft_tokens.shape, device=self.device, generator=self.sampling.generator)
+        drafted = torch.arange(draft_tokens.shape[1], device=self.device)[None, :] < num_drafts[:, None]
+        passed = (coins < self.forced_acceptance) & drafted
+        num_accepted = torch.cumprod(passed.int(), dim=-1).sum(dim=-1)
+        next_tokens = sample_from_scores(target_scores[rows, num_accepted], True, None)
+        return num_accepted, next_tokens
 
     def draft_pass(self, step: int, requests: list[Request], rows: list[int], draft_tokens, draft_scores) -> None:
         """Draft token `step + 1` for each request with sparse attention over its index view."""
@@ -344,7 +385,7 @@ class S3REngine:
             cu_seqlens=self._tensor(cu),
             positions=self._tensor(positions),
             block_tables=self.cache.block_tables([r.slot for r in requests]),
-            score_starts=torch.zeros(len(requests), dtype=torch.long, device=self.device),
+            score_starts=None if self.mode == "ar" else self._tensor([0] * len(requests)),
             history_lens=self._tensor(history),
             num_candidates=num_candidates,
         )

@@ -53,7 +53,9 @@ def generate(
     synced_gpus: bool = False,
     streamer: Any = None,
     s3r_config: S3RConfig | dict | None = None,
-    s3r_unverified_drafts: bool = False,
+    s3r_mode: str = "s3r",
+    s3r_forced_acceptance: float | None = None,
+    s3r_timing: bool = False,
     **model_kwargs,
 ) -> S3RGenerateOutput | torch.LongTensor:
     """S3R decoding method for `model.generate(..., custom_generate=s3r_hf.generate, s3r_config=...)`.
@@ -63,8 +65,10 @@ def generate(
     loop with S3R's draft–verify–exact-sample rounds. The result is distributed exactly as the dense model's
     `generate` output, and greedy results are token-identical up to floating-point ties.
 
-    `s3r_unverified_drafts=True` is a diagnostic that commits the sparse drafter's tokens without verification
-    (not exact); it exists to show that the exactness tests can tell the difference.
+    Diagnostics and benchmarks (see `S3REngine`): `s3r_mode="ar"` decodes densely in the same engine,
+    `s3r_mode="unverified"` commits the sparse drafter's tokens without verification (NOT exact; it shows that the
+    exactness tests can tell the difference), `s3r_forced_acceptance=p` fixes the acceptance pattern of
+    random-weight models (NOT exact), `s3r_timing=True` records device-synchronized stage times.
     """
     config = S3RConfig.coerce(s3r_config)
     check_model_supported(model)
@@ -127,7 +131,9 @@ def generate(
         dtype=model.dtype,
         device=device,
     )
-    engine = S3REngine(model, config, sampling, cache, unverified_drafts=s3r_unverified_drafts)
+    engine = S3REngine(
+        model, config, sampling, cache, mode=s3r_mode, forced_acceptance=s3r_forced_acceptance, timing=s3r_timing
+    )
     stats = engine.run(requests)
     return _assemble(input_ids, requests, generation_config, stats, config)
 

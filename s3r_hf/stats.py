@@ -13,7 +13,8 @@ class S3RStats:
     the correction or bonus token included (so it lies in `[1, draft_len + 1]`).
     """
 
-    rounds: int = 0
+    steps: int = 0  # lockstep rounds of the engine (each: the draft passes and one verify forward)
+    rounds: int = 0  # request-rounds (one per request verified in a step)
     drafted: int = 0
     accepted: int = 0
     committed: int = 0
@@ -21,6 +22,8 @@ class S3RStats:
     offload_episodes: int = 0  # requests paused (KV moved to host memory) under KV pressure
     pages_offloaded: int = 0
     peak_kv_pages: int = 0
+    prefill_seconds: float = 0.0  # wall time of prefill steps (device-synchronized when the engine times)
+    decode_seconds: float = 0.0  # wall time of draft/verify rounds
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
 
@@ -60,6 +63,7 @@ class S3RStats:
 
     def to_dict(self) -> dict[str, float | int | list[float]]:
         return {
+            "steps": self.steps,
             "rounds": self.rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,
@@ -68,6 +72,8 @@ class S3RStats:
             "offload_episodes": self.offload_episodes,
             "pages_offloaded": self.pages_offloaded,
             "peak_kv_pages": self.peak_kv_pages,
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance": self.per_position_acceptance,

@@ -12,7 +12,7 @@ draft positions, the bonus token and, after an early rejection, a second round d
 view all contribute. Attention is made peaky and the index view holds 1–2 of ~25 positions, so the sparse
 drafter really differs from the dense model: drafts are rejected often (acceptance ~0.5–0.65).
 
-Power: the same test applied to the sparse drafter's own tokens (`s3r_unverified_drafts=True`, what a plain
+Power: the same test applied to the sparse drafter's own tokens (`s3r_mode="unverified"`, what a plain
 sparse rollout samples) must reject (p < 1e-6), so a bug that lets drafter bias through would be caught.
 Fixed seeds make the outcome deterministic. Calibration (not run here): 12 seeds x 5,000 samples per case gave
 per-seed p-values spread over (0.01, 0.99) and pooled 60,000-sample p-values of 0.16-0.69, i.e. no bias
@@ -83,7 +83,7 @@ def _sample(model, prompt, sampling: dict, samples: int, seed: int, unverified: 
             num_return_sequences=rows,
             return_dict_in_generate=True,
             s3r_config=S3RConfig(**S3R, seed=seed + chunk),
-            s3r_unverified_drafts=unverified,
+            s3r_mode="unverified" if unverified else "s3r",
             **sampling,
         )
         sequences.append(out.sequences)

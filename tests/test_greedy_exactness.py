@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -141,3 +142,19 @@ def test_kv_pressure_pauses_and_resumes_requests():
     assert torch.equal(out, dense)
     assert out.s3r_stats.offload_episodes > 0, "the pool is too small for all four: some must be paused"
     assert out.s3r_stats.peak_kv_pages <= 36
+
+
+def test_engine_dense_mode_matches_generate_and_forced_acceptance_runs():
+    model = s3r_hf.enable(tiny_model("qwen3", seed=15))
+    input_ids, attention_mask = left_padded_batch([7, 19, 12], seed=16)
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=20)
+    dense = model.generate(input_ids, **kwargs)
+    ar = model.generate(input_ids, s3r_config=SMALL_BUDGET, s3r_mode="ar", s3r_timing=True, **kwargs)
+    assert torch.equal(ar, dense)
+    assert ar.s3r_stats.drafted == 0 and ar.s3r_stats.mean_acceptance_length == 1.0
+    assert ar.s3r_stats.decode_seconds > 0 and ar.s3r_stats.prefill_seconds > 0
+    # Benchmark-only acceptance pattern: with probability 1 every draft is kept.
+    forced = model.generate(input_ids, s3r_config=SMALL_BUDGET, s3r_forced_acceptance=1.0, **kwargs)
+    assert forced.s3r_stats.accepted == forced.s3r_stats.drafted > 0
+    with pytest.raises(ValueError, match="engine mode"):
+        model.generate(input_ids, s3r_config=SMALL_BUDGET, s3r_mode="fast", **kwargs)

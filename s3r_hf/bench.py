@@ -1,0 +1,249 @@
+"""`s3r-hf bench`: S3R vs dense decoding in the same engine (AR) vs `model.generate`, on the same prompts.
+
+For each (model, B, S): decode ms per step (AR, `model.generate`) or per round (S3R), tokens/s, speedups, τ,
+acceptance rate and the bandwidth floor of one dense decode step (weights + all KV bytes at the measured copy
+bandwidth). Random-weight shapes (`qwen3-1.7b`, `qwen3-8b`) accept nothing meaningful; `--acceptance P` fixes
+their acceptance pattern (each draft kept with probability P, NOT exact) so the cost side can be timed, and
+the report says so. Benchmarks report timings; they assert nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
+from transformers.utils import logging
+
+from s3r_hf.config import S3RConfig
+from s3r_hf.generate import enable
+
+logger = logging.get_logger(__name__)
+
+RANDOM_SHAPES = {
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+}
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "math_train.json"
+
+
+def build_model(name: str, dtype: torch.dtype, device: str) -> tuple[PreTrainedModel, object | None]:
+    """A random-weight model of a named shape, or a real model (and its tokenizer) by name or path."""
+    if name in RANDOM_SHAPES:
+        config = Qwen3Config(**RANDOM_SHAPES[name], max_position_embeddings=40960, pad_token_id=0,
+                             eos_token_id=None, bos_token_id=None)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model.eval(), None
+    from s3r_hf.models import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(name, dtype=dtype, device=device)
+
+
+def text_prompts(tokenizer, batch: int, seq: int, data_path: Path) -> torch.Tensor:
+    """`[batch, seq]` prompts of real math text: problems and solutions from `data_path`, concatenated."""
+    records = json.loads(data_path.read_text())
+    texts = [f"Problem: {r['problem']}\nSolution: {r['solution']}\n\n" for r in records]
+    prompts = []
+    cursor = 0
+    for _ in range(batch):
+        ids: list[int] = []
+        while len(ids) < seq:
+            ids += tokenizer(texts[cursor % len(texts)], add_special_tokens=False)["input_ids"]
+            cursor += 1
+        prompts.append(ids[:seq])
+    return torch.tensor(prompts)
+
+
+def random_prompts(vocab: int, batch: int, seq: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(1, vocab, (batch, seq), generator=generator)
+
+
+def floor_ms(model: PreTrainedModel, batch: int, context: int, bandwidth: float) -> float:
+    """Bytes one dense decode step must read (all weights + every request's KV) over the copy bandwidth."""
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * model.dtype.itemsize
+    return (weights + batch * context * kv_per_token) / bandwidth * 1e3
+
+
+def copy_bandwidth(device: str) -> float:
+    if not device.startswith("cuda"):
+        return float("nan")
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (time.perf_counter() - start)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_hf_generate(model, input_ids, max_new_tokens: int, device: str) -> dict:
+    """Decode time of `model.generate` (whole call minus a one-token call, i.e. minus prefill)."""
+    mask = torch.ones_like(input_ids)
+    kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
+    _sync(device)
+    start = time.perf_counter()
+    model.generate(input_ids, max_new_tokens=1, **kwargs)
+    _sync(device)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    model.generate(input_ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, **kwargs)
+    _sync(device)
+    decode = time.perf_counter() - start - prefill
+    tokens = input_ids.shape[0] * (max_new_tokens - 1)
+    return {"ms_per_step": decode / (max_new_tokens - 1) * 1e3, "tokens_per_s": tokens / decode}
+
+
+def time_engine(model, input_ids, max_new_tokens: int, config: S3RConfig, mode: str, acceptance) -> dict:
+    mask = torch.ones_like(input_ids)
+    out = model.generate(
+        input_ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
+        eos_token_id=None, s3r_config=config, s3r_mode=mode, s3r_forced_acceptance=acceptance, s3r_timing=True,
+    )
+    stats = out.s3r_stats
+    generated = stats.committed + input_ids.shape[0]  # + the first token of each request, sampled at prefill
+    return {
+        "ms_per_step": stats.decode_seconds / max(stats.steps, 1) * 1e3,
+        "tokens_per_s": (generated - input_ids.shape[0]) / stats.decode_seconds,
+        "prefill_s": stats.prefill_seconds,
+        "tau": stats.mean_acceptance_length,
+        "acceptance_rate": stats.acceptance_rate,
+        "per_position_acceptance": stats.per_position_acceptance,
+        "sequences": out,
+    }
+
+
+def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
+    device = str(model.device)
+    if tokenizer is not None:
+        input_ids = text_prompts(tokenizer, batch, seq, Path(args.data)).to(device)
+    else:
+        input_ids = random_prompts(model.config.vocab_size, batch, seq).to(device)
+    point = {"model": name, "batch": batch, "seq": seq, "max_new_tokens": args.max_new_tokens,
+             "floor_ms": floor_ms(model, batch, seq + args.max_new_tokens // 2, bandwidth),
+             "acceptance_forced": args.acceptance}
+    base = S3RConfig(draft_len=args.draft_len, min_budget=args.min_budget, page_size=16,
+                     prefill_chunk_size=args.prefill_chunk)
+    ar = time_engine(model, input_ids, args.max_new_tokens, base, "ar", None)
+    point["engine_ar"] = {k: v for k, v in ar.items() if k != "sequences"}
+    point["s3r"] = {}
+    for ratio in args.budget:
+        config = S3RConfig(**{**base.to_dict(), "budget_ratio": ratio})
+        s3r = time_engine(model, input_ids, args.max_new_tokens, config, "s3r", args.acceptance)
+        if args.acceptance is None:  # exact runs: greedy S3R must reproduce greedy AR
+            s3r["greedy_matches_ar"] = bool(torch.equal(s3r["sequences"], ar["sequences"]))
+        point["s3r"][str(ratio)] = {k: v for k, v in s3r.items() if k != "sequences"}
+    if not args.skip_generate:
+        point["hf_generate"] = time_hf_generate(model, input_ids, args.max_new_tokens, device)
+    return point
+
+
+def print_point(point: dict) -> None:
+    ar = point["engine_ar"]
+    forced = f" (acceptance forced to {point['acceptance_forced']}, not exact)" if point["acceptance_forced"] else ""
+    print(f"\n{point['model']}  B={point['batch']}  S={point['seq']}  floor {point['floor_ms']:.2f} ms/step{forced}")
+    print(f"{'method':<18}{'ms/step':>10}{'tok/s':>12}{'vs AR':>8}{'vs HF':>8}{'tau':>7}{'accept':>8}{'=AR':>6}")
+    hf = point.get("hf_generate")
+    rows = [("engine AR", ar)] + [(f"S3R s={ratio}", r) for ratio, r in point["s3r"].items()]
+    if hf:
+        rows.append(("model.generate", hf))
+    for label, r in rows:
+        vs_hf = r["tokens_per_s"] / hf["tokens_per_s"] if hf else float("nan")
+        tau = r.get("tau", 1.0)
+        accept = r.get("acceptance_rate", float("nan"))
+        match = {True: "yes", False: "NO"}.get(r.get("greedy_matches_ar"), "")
+        print(f"{label:<18}{r['ms_per_step']:>10.2f}{r['tokens_per_s']:>12.0f}"
+              f"{r['tokens_per_s'] / ar['tokens_per_s']:>8.2f}{vs_hf:>8.2f}{tau:>7.2f}{accept:>8.3f}{match:>6}")
+
+
+def plot(points: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for model in sorted({p["model"] for p in points}):
+        for batch in sorted({p["batch"] for p in points if p["model"] == model}):
+            chosen = sorted((p for p in points if p["model"] == model and p["batch"] == batch), key=lambda p: p["seq"])
+            ratio = next(iter(chosen[0]["s3r"]))
+            speedups = [p["s3r"][ratio]["tokens_per_s"] / p["engine_ar"]["tokens_per_s"] for p in chosen]
+            axis.plot([p["seq"] for p in chosen], speedups, marker="o", label=f"{model} B={batch}")
+    axis.set_xlabel("context length S")
+    axis.set_ylabel("S3R tokens/s ÷ engine AR tokens/s")
+    axis.set_xscale("log", base=2)
+    axis.axhline(1.0, color="grey", linewidth=0.5)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", action="append", help="qwen3-1.7b, qwen3-8b (random weights) or a real model; "
+                        "repeatable (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--batch", default="16", help="comma-separated batch sizes")
+    parser.add_argument("--seq", default="1024", help="comma-separated prompt lengths")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--budget", default="0.05", help="comma-separated budget ratios (a sweep)")
+    parser.add_argument("--draft-len", type=int, default=6)
+    parser.add_argument("--min-budget", type=int, default=192)
+    parser.add_argument("--prefill-chunk", type=int, default=8192)
+    parser.add_argument("--acceptance", type=float, default=None, help="force the acceptance pattern (not exact)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--data", default=str(DEFAULT_DATA), help="MATH-style JSON for real-text prompts")
+    parser.add_argument("--skip-generate", action="store_true", help="do not time model.generate")
+    parser.add_argument("--json", help="write all results to this file")
+    parser.add_argument("--plot", help="write a PNG of speedup against context length")
+
+
+def bench_from_args(args: argparse.Namespace) -> list[dict]:
+    args.budget = [float(v) for v in args.budget.split(",")]
+    dtype = getattr(torch, args.dtype)
+    bandwidth = copy_bandwidth(args.device)
+    points = []
+    for name in args.model or ["smollm2-135m-instruct"]:
+        model, tokenizer = build_model(name, dtype, args.device)
+        enable(model)
+        for batch in (int(v) for v in args.batch.split(",")):
+            for seq in (int(v) for v in args.seq.split(",")):
+                point = run_point(model, tokenizer, name, batch, seq, args, bandwidth)
+                print_point(point)
+                points.append(point)
+                if args.device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+        del model
+    result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+              "copy_bandwidth_GBps": bandwidth / 1e9, "points": points}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(points, args.plot)
+    return points
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_bench_arguments(parser)
+    bench_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
+
