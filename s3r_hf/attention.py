@@ -54,7 +54,8 @@ def s3r_attention_forward(
         dense = step.dense
         dense_out, _, scores = backend.paged_dense_attention(
             packed[dense.query_index], pools.keys, pools.values, dense.block_tables, dense.cu_seqlens,
-            dense.positions, scale, dense.score_starts,
+            dense.positions, scale, dense.score_starts, max_query_len=dense.max_query_len,
+            max_context=dense.max_context,
         )
         out[dense.query_index] = dense_out
         if scores is not None:
@@ -63,10 +64,10 @@ def s3r_attention_forward(
             )
     if step.sparse is not None:
         sparse = step.sparse
-        view, view_lens = cache.index_views.view(layer_idx, sparse.slots)
+        view, view_lens = cache.index_views.view(layer_idx, sparse.slots, width=sparse.view_width)
         sparse_out, _ = backend.paged_sparse_attention(
             packed[sparse.query_index], pools.keys, pools.values, sparse.block_tables, view, view_lens,
-            sparse.tail_starts, sparse.positions, scale,
+            sparse.tail_starts, sparse.positions, scale, max_keys=sparse.max_keys,
         )
         out[sparse.query_index] = sparse_out
     step.layers_seen.add(layer_idx)

@@ -109,14 +109,15 @@ class SparseSelfDraftCandidateGenerator(CandidateGenerator):
     def _request(self, input_ids: torch.LongTensor, draft_len: int) -> Request:
         """The sequence as an engine request: committed K/V for all but the last token, which is pending."""
         length = input_ids.shape[1]
-        tokens = torch.empty(length + draft_len + 1, dtype=torch.long, device=self.cache.device)
-        tokens[:length] = input_ids[0]
+        tokens = torch.empty(length + draft_len + 1, dtype=torch.long)
+        tokens[:length] = input_ids[0].cpu()
         request = Request(
             row=0, prompt_ids=tokens[: length - 1], tokens=tokens, length=length, max_new_tokens=draft_len + 1,
             status=RequestStatus.RUNNING, slot=_SLOT,
         )
         request.committed = length - 1
         request.pending = int(input_ids[0, -1])
+        request.view_len = int(self.cache.index_views.lengths[_SLOT])
         return request
 
     def _prefill(self, request: Request, length: int) -> None:

@@ -189,9 +189,9 @@ class S3REngine:
         return max(0, self.cache.pages_for(request.committed + self._draft_count(request) + 1) - held)
 
     # ================================================================ forward
-    def _forward(self, input_ids: list[int], plan: StepPlan, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """One packed forward; returns float logits of the kept rows (all rows when `keep` is None)."""
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]
+    def _forward(self, input_ids: torch.Tensor, plan: StepPlan, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """One packed forward of `input_ids` `[N]`; float logits of the kept rows (all rows when `keep` is None)."""
+        ids = input_ids.to(self.device)[None]
         kwargs = {self._cache_argument: self.cache}
         if keep is not None and self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = keep
@@ -238,7 +238,7 @@ class S3REngine:
         """
         budget = self.config.prefill_chunk_size
         block = self.config.draft_len + 1
-        tokens, write, positions, cu, scored, history, chunks = [], [], [], [0], [], [], []
+        pieces, write, positions, cu, scored, history, chunks = [], [], [], [0], [], [], []
         for request in requests:
             if budget == 0:
                 break
@@ -246,16 +246,17 @@ class S3REngine:
             end = min(request.prompt_len, start + budget)
             budget -= end - start
             self.cache.reserve(request.slot, end)
-            tokens += request.prompt_ids[start:end].tolist()
+            pieces.append(request.prompt_ids[start:end])
             write += self.cache.flat_indices(request.slot, range(start, end))
             positions += list(range(start, end))
-            cu.append(len(tokens))
+            cu.append(cu[-1] + end - start)
             final = end == request.prompt_len
             # The final chunk's last `draft_len + 1` queries score the prompt for the first index view.
             first_scored = max(0, (end - start) - block) if final else -1
             scored.append(first_scored)
             history.append(start + first_scored if final else 0)
             chunks.append((request, start, end, final))
+        tokens = torch.cat(pieces)
         num_candidates = max(self.config.budget(r.prompt_len) for r, *_ in chunks)
         dense = DenseSegments(
             query_index=torch.arange(len(tokens), device=self.device),
@@ -265,6 +266,8 @@ class S3REngine:
             score_starts=self._tensor(scored),
             history_lens=self._tensor(history),
             num_candidates=num_candidates,
+            max_query_len=max(end - start for _, start, end, _ in chunks),
+            max_context=max(end for _, _, end, _ in chunks),
         )
         plan = StepPlan(write_index=self._tensor(write), position_ids=dense.positions[None], dense=dense)
         finals = [i for i, (_, _, _, final) in enumerate(chunks) if final]
@@ -309,12 +312,14 @@ class S3REngine:
                 self.sampling.greedy, self.sampling.generator,
             )
             num_accepted, next_tokens = result.num_accepted, result.next_tokens
+        # The accept decision is the one device-to-host read a round needs.
         accepted_list = num_accepted.tolist()
         next_list = next_tokens.tolist()
+        draft_list = draft_tokens.tolist()
         committed_counts = []
         for row, request in enumerate(requests):
             context = request.committed
-            proposals = draft_tokens[row, : accepted_list[row]].tolist() + [next_list[row]]
+            proposals = draft_list[row][: accepted_list[row]] + [next_list[row]]
             count = 0
             for offset, token in enumerate(proposals):
                 count += 1
@@ -343,42 +348,50 @@ class S3REngine:
 
     def draft_pass(self, step: int, requests: list[Request], rows: list[int], draft_tokens, draft_scores) -> None:
         """Draft token `step + 1` for each request with sparse attention over its index view."""
-        tokens, write, positions = [], [], []
-        for request, row in zip(requests, rows):
+        write, positions = [], []
+        for request in requests:
             position = request.committed + step
-            tokens.append(request.pending if step == 0 else int(draft_tokens[row, step - 1]))
             write += self.cache.flat_indices(request.slot, [position])
             positions.append(position)
+        index = self._tensor(rows)
+        # Input tokens stay on the device: the pending token, then the previous pass's drafts.
+        tokens = self._tensor([r.pending for r in requests]) if step == 0 else draft_tokens[index, step - 1]
         position_tensor = self._tensor(positions)
         sparse = SparseQueries(
-            query_index=torch.arange(len(tokens), device=self.device),
+            query_index=torch.arange(len(requests), device=self.device),
             slots=self._tensor([r.slot for r in requests]),
             block_tables=self.cache.block_tables([r.slot for r in requests]),
             tail_starts=self._tensor([r.committed for r in requests]),
             positions=position_tensor,
+            view_width=max(r.view_len for r in requests),
+            max_keys=max(r.view_len for r in requests) + step + 1,
         )
         plan = StepPlan(write_index=self._tensor(write), position_ids=position_tensor[None], sparse=sparse)
         logits = self._forward(tokens, plan)
         histories = [r.tokens[: r.length + step] for r in requests]
         scores = self.sampling.logits_processor([r.row for r in requests], histories, logits)
         drafts = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator)
-        index = self._tensor(rows)
         draft_tokens[index, step] = drafts
         draft_scores[index, step] = scores
-        for request, token in zip(requests, drafts.tolist()):
+        if not self.sampling.logits_processor.history_free:
             # Provisional: logits processors of later positions must see the drafted prefix.
-            request.tokens[request.length + step] = token
+            for request, token in zip(requests, drafts.tolist()):
+                request.tokens[request.length + step] = token
 
     def _verify(self, requests: list[Request], draft_counts: list[int], draft_tokens: torch.Tensor):
         """Dense forward over `[pending, d_1..d_k]` of every request; overwrites the drafts' provisional K/V."""
-        tokens, write, positions, cu, history = [], [], [], [0], []
+        write, positions, cu, history, block_rows, block_offsets = [], [], [0], [], [], []
         for row, (request, count) in enumerate(zip(requests, draft_counts)):
             context = request.committed
-            tokens += [request.pending] + draft_tokens[row, :count].tolist()
             write += self.cache.flat_indices(request.slot, range(context, context + count + 1))
             positions += list(range(context, context + count + 1))
-            cu.append(len(tokens))
+            cu.append(cu[-1] + count + 1)
             history.append(context)
+            block_rows += [row] * (count + 1)
+            block_offsets += list(range(count + 1))
+        # `[pending, d_1..d_k]` of every request, gathered on the device.
+        blocks = torch.cat([self._tensor([r.pending for r in requests])[:, None], draft_tokens], dim=1)
+        tokens = blocks[self._tensor(block_rows), self._tensor(block_offsets)]
         num_candidates = max(self.config.budget(r.committed + k + 1) for r, k in zip(requests, draft_counts))
         dense = DenseSegments(
             query_index=torch.arange(len(tokens), device=self.device),
@@ -388,6 +401,8 @@ class S3REngine:
             score_starts=None if self.mode == "ar" else self._tensor([0] * len(requests)),
             history_lens=self._tensor(history),
             num_candidates=num_candidates,
+            max_query_len=max(draft_counts) + 1,
+            max_context=max(r.committed + k + 1 for r, k in zip(requests, draft_counts)),
         )
         plan = StepPlan(write_index=self._tensor(write), position_ids=dense.positions[None], dense=dense)
         logits = self._forward(tokens, plan)
@@ -417,7 +432,8 @@ class S3REngine:
             request.logprobs.append(float(torch.log_softmax(scores.float(), dim=-1)[token]))
         stop = token in self.sampling.eos_token_ids or request.remaining <= 0
         if not stop and len(self.sampling.stopping_criteria) > 0:
-            stop = bool(self.sampling.stopping_criteria(request.history[None], scores[None]).any())
+            history = request.history[None].to(scores.device)
+            stop = bool(self.sampling.stopping_criteria(history, scores[None]).any())
         if stop:
             request.status = RequestStatus.FINISHED
         return stop
@@ -430,7 +446,12 @@ class S3REngine:
         slots = self._tensor([r.slot for r in requests])
         history = plan.dense.history_lens[seg_index]
         context_lens = self._tensor(contexts)
-        budgets = self._tensor([self.config.budget(c) for c in contexts])
+        budget_list = [self.config.budget(c) for c in contexts]
+        budgets = self._tensor(budget_list)
+        for request, budget in zip(requests, budget_list):
+            request.view_len = budget
         for layer in range(self.num_layers):
             candidates = plan.candidates[layer][seg_index]
-            self.cache.index_views.build(layer, slots, candidates, history, context_lens, budgets)
+            self.cache.index_views.build(
+                layer, slots, candidates, history, context_lens, budgets, width=max(budget_list)
+            )

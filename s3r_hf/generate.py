@@ -115,10 +115,10 @@ def generate(
             logger.warning_once(
                 f"row {row}: generation is capped at {limit} tokens by the context window ({window} tokens)"
             )
-        tokens = torch.empty(padded_len + max(limit, 0) + config.draft_len + 1, dtype=torch.long, device=device)
-        tokens[:padded_len] = input_ids[row].to(device)
+        tokens = torch.empty(padded_len + max(limit, 0) + config.draft_len + 1, dtype=torch.long)
+        tokens[:padded_len] = input_ids[row].cpu()
         requests.append(
-            Request(row=row, prompt_ids=prompt.to(device), tokens=tokens, length=padded_len, max_new_tokens=limit)
+            Request(row=row, prompt_ids=prompt.cpu(), tokens=tokens, length=padded_len, max_new_tokens=limit)
         )
     if max_new <= 0:
         return _assemble(input_ids, requests, generation_config, S3RStats(), config)

@@ -65,7 +65,7 @@ class RaggedLogitsProcessor:
         for length, entries in groups.items():
             batch_rows = torch.tensor([rows[e] for e in entries], device=scores.device)
             input_ids = torch.zeros(self.batch_size, length, dtype=torch.long, device=scores.device)
-            input_ids[batch_rows] = torch.stack([histories[e] for e in entries])
+            input_ids[batch_rows] = torch.stack([histories[e] for e in entries]).to(scores.device)
             batch_scores = torch.zeros(self.batch_size, scores.shape[1], device=scores.device)
             index = torch.tensor(entries, device=scores.device)
             batch_scores[batch_rows] = scores[index]

@@ -22,9 +22,10 @@ class Request:
     """A prompt row of the `generate` call and its response so far.
 
     `tokens[:length]` is the row exactly as `generate` would hand it to logits processors and stopping
-    criteria: the (left-padded) prompt row followed by the generated tokens. The cache holds K/V for the
-    first `committed` real tokens (prompt without padding, then generated ones); `pending` is the last
-    generated token, whose K/V the next round computes.
+    criteria: the (left-padded) prompt row followed by the generated tokens. The cache holds K/V for the first
+    `committed` real tokens (prompt without padding, then generated ones); `pending` is the last generated
+    token, whose K/V the next round computes. Token buffers live on the CPU, so bookkeeping never launches
+    device work; they move to the device only where a processor reads them.
     """
 
     row: int
@@ -37,6 +38,7 @@ class Request:
     prefilled: int = 0  # prompt tokens whose K/V are in the cache
     committed: int = 0  # K/V valid length
     pending: int | None = None
+    view_len: int = 0  # size of the request's index views (the same for every layer and KV head)
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)

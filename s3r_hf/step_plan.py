@@ -23,6 +23,8 @@ class DenseSegments:
     score_starts: torch.Tensor | None  # [Sd] first scored query inside each segment, -1 = not scored
     history_lens: torch.Tensor  # [Sd] top-K candidates are drawn from positions < history_lens
     num_candidates: int  # top-K candidates kept per (segment, KV head)
+    max_query_len: int  # longest segment (host int: kernels size their grids without reading the device)
+    max_context: int  # longest context, the last query's position + 1
 
 
 @dataclass
@@ -34,6 +36,8 @@ class SparseQueries:
     block_tables: torch.Tensor  # [Ns, max_pages] int32
     tail_starts: torch.Tensor  # [Ns] committed length: positions >= this are the block's provisional drafts
     positions: torch.Tensor  # [Ns] absolute positions
+    view_width: int  # longest index view among the queries' requests (host int)
+    max_keys: int  # longest view + provisional tail (host int)
 
 
 @dataclass

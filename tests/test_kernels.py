@@ -303,6 +303,8 @@ def test_packed_prefill_of_two_prompts_matches_dense_forward():
         score_starts=torch.tensor([len(p) - block for p in prompts]),
         history_lens=torch.tensor([len(p) - block for p in prompts]),
         num_candidates=4,
+        max_query_len=max(len(p) for p in prompts),
+        max_context=max(len(p) for p in prompts),
     )
     plan = StepPlan(write_index=torch.tensor(write), position_ids=dense.positions[None], dense=dense)
     parameters = inspect.signature(model.forward).parameters

@@ -48,6 +48,7 @@ class SparseIndexViews:
         history_lens: torch.Tensor,
         context_lens: torch.Tensor,
         budgets: torch.Tensor,
+        width: int | None = None,
     ) -> None:
         """Set the views of `slots` in `layer` to `R ∪ TopK_{K-|R|}` (DESIGN §4 step 4).
 
@@ -57,12 +58,14 @@ class SparseIndexViews:
             history_lens: `[S]`; the recent window is `R = [history_lens, context_lens)`.
             context_lens: `[S]` committed length `|C|` after the refresh.
             budgets: `[S]` view size `K` (`<= context_lens`).
+            width: `max(budgets)` when the caller knows it on the host (saves a device read-back).
         """
         device = candidates.device
         history_lens, context_lens, budgets = (t.to(device).long() for t in (history_lens, context_lens, budgets))
         recent_len = torch.minimum(context_lens - history_lens, budgets)  # [S]
         top_len = budgets - recent_len  # [S]
-        width = int(budgets.max()) if budgets.numel() else 0
+        if width is None:
+            width = int(budgets.max()) if budgets.numel() else 0
         self._ensure_capacity(width)
         num_candidates = candidates.shape[-1]
 
@@ -76,9 +79,10 @@ class SparseIndexViews:
         recent = torch.where(offsets[None, :] < recent_len[:, None], recent_pos, torch.full_like(recent_pos, _UNUSED))
         recent = recent[:, None, :].expand(-1, self.num_kv_heads, -1).to(torch.int32)
         merged = torch.sort(torch.cat([top, recent], dim=-1), dim=-1).values[..., :width]
-        short = (merged == _UNUSED) & (offsets[None, None, :] < budgets[:, None, None])
-        if bool(short.any()):  # the caller asked for fewer candidates than the budget needs
-            raise RuntimeError("index view refresh has fewer candidate positions than its budget")
+        if merged.device.type == "cpu":  # a cheap invariant check where it costs no device synchronisation
+            short = (merged == _UNUSED) & (offsets[None, None, :] < budgets[:, None, None])
+            if bool(short.any()):  # the caller asked for fewer candidates than the budget needs
+                raise RuntimeError("index view refresh has fewer candidate positions than its budget")
         self.positions[layer][slots.long(), :, :width] = merged
         if layer == 0:
             self.lengths[slots.long()] = budgets.to(torch.int32)
@@ -92,8 +96,12 @@ class SparseIndexViews:
             self.positions[layer][slots.long(), :, :width] = positions
         self.lengths[slots.long()] = context_lens.to(torch.int32)
 
-    def view(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(positions [S, Hkv, width], lengths [S])` of `slots` in `layer`; entries past a length are stale."""
+    def view(self, layer: int, slots: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(positions [S, Hkv, width], lengths [S])` of `slots` in `layer`; entries past a length are stale.
+
+        `width` is the longest view among `slots` when the caller knows it on the host.
+        """
         lengths = self.lengths[slots.long()]
-        width = int(lengths.max()) if lengths.numel() else 0
+        if width is None:
+            width = int(lengths.max()) if lengths.numel() else 0
         return self.positions[layer][slots.long(), :, :width], lengths

@@ -45,6 +45,9 @@ def paged_dense_attention(
     positions: torch.Tensor,
     scale: float,
     score_starts: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_context: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Dense causal attention of packed varlen queries over paged K/V (prefill chunks and verify blocks).
 
@@ -57,6 +60,8 @@ def paged_dense_attention(
         scale: softmax scale.
         score_starts: optional `[S]`; queries `score_starts[s]..` (index inside segment `s`) contribute to the
             segment's verify scores, `-1` means the segment is not scored.
+        max_query_len, max_context: the longest segment and context when the caller knows them (host ints);
+            saves reading them back from the device. `scores` is `max_context` wide when given.
 
     Returns:
         `out` `[N, Hq, D]`, `lse` `[N, Hq]` (natural-log normaliser of each query's softmax), and, when
@@ -70,8 +75,8 @@ def paged_dense_attention(
     cu_seqlens, positions = cu_seqlens.long(), positions.long()
     segment, offset, lengths, contexts = _segment_layout(cu_seqlens, positions)
     num_segments = lengths.shape[0]
-    width = int(lengths.max()) if num_segments else 0
-    context = int(contexts.max()) if num_segments else 0
+    width = max_query_len if max_query_len is not None else (int(lengths.max()) if num_segments else 0)
+    context = max_context if max_context is not None else (int(contexts.max()) if num_segments else 0)
 
     # Padded views: queries [S, n, Hkv, G, D], keys/values [S, L, Hkv, D] gathered through the block tables.
     padded_q = query.new_zeros(num_segments, width, num_heads, head_dim)
@@ -112,6 +117,8 @@ def paged_sparse_attention(
     tail_starts: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    *,
+    max_keys: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse decode attention of single-token draft queries over an index view plus the provisional tail.
 
@@ -128,6 +135,8 @@ def paged_sparse_attention(
         tail_starts: `[N]` first provisional position (the committed length).
         positions: `[N]` absolute position of each query.
         scale: softmax scale.
+        max_keys: the largest `view_lens + tail length` when the caller knows it (a host int; used by kernels
+            that split keys over programs, ignored here).
 
     Returns:
         `out` `[N, Hq, D]` and `lse` `[N, Hq]`.

@@ -98,6 +98,8 @@ def paged_sparse_attention(
     tail_starts: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    *,
+    max_keys: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `reference.paged_sparse_attention` (same arguments and results)."""
     num_queries, num_heads, head_dim = query.shape
@@ -110,7 +112,7 @@ def paged_sparse_attention(
         index_view = torch.zeros(num_queries, num_kv_heads, 1, dtype=torch.int32, device=query.device)
     if num_queries == 0:
         return torch.empty_like(query), torch.empty(0, num_heads, dtype=torch.float32, device=query.device)
-    longest = int((view_lens.max() + (positions - tail_starts).max() + 1).item())
+    longest = max_keys if max_keys is not None else int(view_lens.max() + (positions - tail_starts).max() + 1)
     splits = _num_splits(num_queries * num_kv_heads, longest, min_keys=128)
     keys_per_split = -(-longest // splits)
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=torch.float32, device=query.device)
@@ -236,6 +238,9 @@ def paged_dense_attention(
     positions: torch.Tensor,
     scale: float,
     score_starts: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_context: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Triton version of `reference.paged_dense_attention` (same arguments and results)."""
     num_queries, num_heads, head_dim = query.shape
@@ -250,9 +255,11 @@ def paged_dense_attention(
         empty_lse = torch.empty(num_queries, num_heads, dtype=torch.float32, device=query.device)
         return torch.empty_like(query), empty_lse, None
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    last = (cu_seqlens[1:].long() - 1).clamp(min=0)
-    contexts = torch.where(lengths > 0, positions.long()[last] + 1, torch.zeros_like(lengths))
-    max_len, max_context = (int(v) for v in torch.stack([lengths.max(), contexts.max()]).tolist())
+    if max_query_len is None or max_context is None:  # read back from the device (a sync) unless given
+        last = (cu_seqlens[1:].long() - 1).clamp(min=0)
+        contexts = torch.where(lengths > 0, positions.long()[last] + 1, torch.zeros_like(lengths))
+        max_query_len, max_context = (int(v) for v in torch.stack([lengths.max(), contexts.max()]).tolist())
+    max_len = max_query_len
 
     block_m = max(1, min(triton.next_power_of_2(max_len), 64 // group if group < 64 else 1))
     rows = max(16, triton.next_power_of_2(block_m * group))
@@ -260,7 +267,7 @@ def paged_dense_attention(
     if score_starts is not None:
         starts = score_starts.long()
         scored_queries = torch.where(starts >= 0, lengths - starts, torch.zeros_like(lengths)).clamp(min=0)
-        max_scored = max(1, int(scored_queries.max()))
+        max_scored = max(1, max_len)  # an upper bound on scored queries per segment, known on the host
         logits = torch.full(
             (num_segments, num_kv_heads, max_scored * group, max(max_context, 1)), float("-inf"),
             dtype=torch.float32, device=query.device,
