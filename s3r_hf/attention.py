@@ -55,7 +55,7 @@ def s3r_attention_forward(
         dense_out, _, scores = backend.paged_dense_attention(
             packed[dense.query_index], pools.keys, pools.values, dense.block_tables, dense.cu_seqlens,
             dense.positions, scale, dense.score_starts, max_query_len=dense.max_query_len,
-            max_context=dense.max_context,
+            max_context=dense.max_context, max_scored_queries=dense.max_scored_queries,
         )
         out[dense.query_index] = dense_out
         if scores is not None:

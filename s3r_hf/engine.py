@@ -23,6 +23,7 @@ from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.request import Request, RequestStatus
 from s3r_hf.sampler import sample_from_scores, speculative_accept
 from s3r_hf.scheduler import AIMDConcurrency
+from s3r_hf.staging import to_device
 from s3r_hf.stats import S3RStats
 from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
 from s3r_hf.validation import UnsupportedModelError
@@ -215,7 +216,7 @@ class S3REngine:
         return logits.float()
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return to_device(values, self.device)
 
     # ================================================================ prefill
     def _prefill_step(self, requests: list[Request]) -> None:
@@ -268,6 +269,8 @@ class S3REngine:
             num_candidates=num_candidates,
             max_query_len=max(end - start for _, start, end, _ in chunks),
             max_context=max(end for _, _, end, _ in chunks),
+            max_scored_queries=max((end - start - first for (_, start, end, _), first in zip(chunks, scored)
+                                    if first >= 0), default=0),
         )
         plan = StepPlan(write_index=self._tensor(write), position_ids=dense.positions[None], dense=dense)
         finals = [i for i, (_, _, _, final) in enumerate(chunks) if final]
@@ -299,7 +302,7 @@ class S3REngine:
         for step in range(max_drafts):
             rows = [i for i, k in enumerate(draft_counts) if k > step]
             self.draft_pass(step, [requests[i] for i in rows], rows, draft_tokens, draft_scores)
-        plan, logits, target_scores = self._verify(requests, draft_counts, draft_tokens)
+        plan, logits, block_starts, target_scores = self._verify(requests, draft_counts, draft_tokens)
         num_drafts = self._tensor(draft_counts)
         if self.mode == "unverified":
             num_accepted = (num_drafts - 1).clamp(min=0)
@@ -323,7 +326,7 @@ class S3REngine:
             count = 0
             for offset, token in enumerate(proposals):
                 count += 1
-                if self._commit(request, token, target_scores[row, offset], logits[row][offset]):
+                if self._commit(request, token, target_scores[row, offset], logits[block_starts[row] + offset]):
                     break
             committed_counts.append(count)
             # K/V of the pending token and the accepted drafts are now dense and valid; the rest is discarded.
@@ -403,6 +406,7 @@ class S3REngine:
             num_candidates=num_candidates,
             max_query_len=max(draft_counts) + 1,
             max_context=max(r.committed + k + 1 for r, k in zip(requests, draft_counts)),
+            max_scored_queries=max(draft_counts) + 1,
         )
         plan = StepPlan(write_index=self._tensor(write), position_ids=dense.positions[None], dense=dense)
         logits = self._forward(tokens, plan)
@@ -413,11 +417,8 @@ class S3REngine:
         flat_scores = self.sampling.logits_processor(rows, histories, logits)
         width = max(draft_counts) + 1
         target_scores = torch.zeros(len(requests), width, flat_scores.shape[-1], device=self.device)
-        per_request_logits = []
-        for row, count in enumerate(draft_counts):
-            target_scores[row, : count + 1] = flat_scores[cu[row] : cu[row + 1]]
-            per_request_logits.append(logits[cu[row] : cu[row + 1]])
-        return plan, per_request_logits, target_scores
+        target_scores[self._tensor(block_rows), self._tensor(block_offsets)] = flat_scores
+        return plan, logits, cu, target_scores
 
     # ================================================================ commit and refresh
     def _commit(self, request: Request, token: int, scores: torch.Tensor, logits: torch.Tensor) -> bool:

@@ -25,6 +25,7 @@ class DenseSegments:
     num_candidates: int  # top-K candidates kept per (segment, KV head)
     max_query_len: int  # longest segment (host int: kernels size their grids without reading the device)
     max_context: int  # longest context, the last query's position + 1
+    max_scored_queries: int = 0  # most scored queries of any segment (sizes the verify-score scratch)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from s3r_hf.cache.index_view import SparseIndexViews
 from s3r_hf.cache.page_allocator import KVCapacityError, PageAllocator
+from s3r_hf.staging import to_device
 
 # Plain-mode handoff (see `S3RCache.update`): the attention function of the same layer, called right after
 # `update` on the same thread, picks up which cache and layer it serves. Packed engine steps do not use it.
@@ -189,7 +190,7 @@ class S3RCache(Cache):
         for row, slot in enumerate(slots):
             pages = self.page_lists[slot]
             table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return table.to(self.device)
+        return to_device(table, self.device, torch.int32)
 
     def flat_indices(self, slot: int, positions: range) -> list[int]:
         """Flat pool row (`page * page_size + offset`) of each position of `slot`."""

@@ -48,6 +48,7 @@ def paged_dense_attention(
     *,
     max_query_len: int | None = None,
     max_context: int | None = None,
+    max_scored_queries: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Dense causal attention of packed varlen queries over paged K/V (prefill chunks and verify blocks).
 
@@ -62,6 +63,7 @@ def paged_dense_attention(
             segment's verify scores, `-1` means the segment is not scored.
         max_query_len, max_context: the longest segment and context when the caller knows them (host ints);
             saves reading them back from the device. `scores` is `max_context` wide when given.
+        max_scored_queries: the most scored queries of any segment, when known (sizes a kernel's scratch).
 
     Returns:
         `out` `[N, Hq, D]`, `lse` `[N, Hq]` (natural-log normaliser of each query's softmax), and, when

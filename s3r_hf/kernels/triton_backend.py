@@ -241,6 +241,7 @@ def paged_dense_attention(
     *,
     max_query_len: int | None = None,
     max_context: int | None = None,
+    max_scored_queries: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Triton version of `reference.paged_dense_attention` (same arguments and results)."""
     num_queries, num_heads, head_dim = query.shape
@@ -267,7 +268,9 @@ def paged_dense_attention(
     if score_starts is not None:
         starts = score_starts.long()
         scored_queries = torch.where(starts >= 0, lengths - starts, torch.zeros_like(lengths)).clamp(min=0)
-        max_scored = max(1, max_len)  # an upper bound on scored queries per segment, known on the host
+        if max_scored_queries is None:  # read back from the device (a sync) unless given
+            max_scored_queries = int(scored_queries.max())
+        max_scored = max(1, max_scored_queries)
         logits = torch.full(
             (num_segments, num_kv_heads, max_scored * group, max(max_context, 1)), float("-inf"),
             dtype=torch.float32, device=query.device,
