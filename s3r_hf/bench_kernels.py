@@ -95,6 +95,20 @@ def check_correctness(triton_backend, generator: torch.Generator) -> dict:
 
 
 def bench_point(triton_backend, batch: int, seq: int, bandwidth: float, generator: torch.Generator) -> dict:
+    """One (B, S) point, with the key split chosen automatically and, as a variant, without splitting."""
+    automatic = _bench_point(triton_backend, batch, seq, bandwidth, generator)
+    choose_splits = triton_backend._num_splits
+    triton_backend._num_splits = lambda programs, keys, min_keys: 1
+    try:
+        unsplit = _bench_point(triton_backend, batch, seq, bandwidth, generator)
+    finally:
+        triton_backend._num_splits = choose_splits
+    for name in ("dense_decode_ms", "verify_scored_ms", "verify_unscored_ms", "sparse_decode_ms"):
+        automatic[f"{name}_unsplit"] = unsplit[name]
+    return automatic
+
+
+def _bench_point(triton_backend, batch: int, seq: int, bandwidth: float, generator: torch.Generator) -> dict:
     dtype, page, ratio, block = torch.bfloat16, 16, 0.05, 7
     key_pool, value_pool, tables, heads, kv_heads, dim = _paged_setup(batch, seq, page, dtype, generator)
     scale = dim**-0.5
@@ -105,17 +119,19 @@ def bench_point(triton_backend, batch: int, seq: int, bandwidth: float, generato
     q1 = torch.randn(batch, heads, dim, device="cuda", dtype=dtype, generator=generator)
     cu1 = torch.arange(batch + 1, device="cuda")
     pos1 = torch.full((batch,), seq - 1, device="cuda")
+    decode_hints = dict(max_query_len=1, max_context=seq)
     dense_ms = _time_ms(lambda: triton_backend.paged_dense_attention(q1, key_pool, value_pool, tables, cu1, pos1,
-                                                                     scale))
+                                                                     scale, **decode_hints))
     # Verify block: k+1 queries per request, scored.
     qv = torch.randn(batch * block, heads, dim, device="cuda", dtype=dtype, generator=generator)
     cuv = torch.arange(0, batch * block + 1, block, device="cuda")
     posv = torch.cat([torch.arange(seq - block, seq) for _ in range(batch)]).cuda()
     starts = torch.zeros(batch, dtype=torch.long, device="cuda")
+    hints = dict(max_query_len=block, max_context=seq, max_scored_queries=block)
     verify_ms = _time_ms(lambda: triton_backend.paged_dense_attention(qv, key_pool, value_pool, tables, cuv, posv,
-                                                                      scale, starts))
+                                                                      scale, starts, **hints))
     verify_plain_ms = _time_ms(lambda: triton_backend.paged_dense_attention(qv, key_pool, value_pool, tables, cuv,
-                                                                            posv, scale))
+                                                                            posv, scale, **hints))
     _, _, scores = triton_backend.paged_dense_attention(qv, key_pool, value_pool, tables, cuv, posv, scale, starts)
     budget = math.ceil(ratio * seq)
     history = torch.full((batch,), seq - block, device="cuda")
@@ -126,7 +142,7 @@ def bench_point(triton_backend, batch: int, seq: int, bandwidth: float, generato
     tails = torch.full((batch,), seq - block, device="cuda")
     pos_s = tails + 2
     sparse_ms = _time_ms(lambda: triton_backend.paged_sparse_attention(q1, key_pool, value_pool, tables, view, lens,
-                                                                       tails, pos_s, scale))
+                                                                       tails, pos_s, scale, max_keys=budget + 3))
     # Baselines on contiguous tensors: SDPA dense, and gather + SDPA over the same 5%.
     k_dense = torch.randn(batch, kv_heads, seq, dim, device="cuda", dtype=dtype, generator=generator)
     v_dense = torch.randn_like(k_dense)
@@ -165,15 +181,16 @@ def main(argv: list[str] | None = None) -> dict:
     results["copy_bandwidth_GBps"] = bandwidth / 1e9
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     results["points"] = []
-    header = ("B", "S", "floor", "dense", "x floor", "verify+sc", "verify", "sparse", "sp/dense", "topk", "sdpa",
-              "gather+sdpa")
+    header = ("B", "S", "floor", "dense", "x floor", "dense 1sp", "verify+sc", "verify", "sparse", "sparse 1sp",
+              "sp/dense", "topk", "sdpa", "gather+sdpa")
     print(" | ".join(f"{h:>9}" for h in header))
     for batch, seq in POINTS:
         point = bench_point(triton_backend, batch, seq, bandwidth, generator)
         results["points"].append(point)
         row = (batch, seq, point["floor_ms"], point["dense_decode_ms"], point["dense_vs_floor"],
-               point["verify_scored_ms"], point["verify_unscored_ms"], point["sparse_decode_ms"],
-               point["sparse_vs_dense"], point["topk_ms"], point["sdpa_dense_ms"], point["gather_sdpa_ms"])
+               point["dense_decode_ms_unsplit"], point["verify_scored_ms"], point["verify_unscored_ms"],
+               point["sparse_decode_ms"], point["sparse_decode_ms_unsplit"], point["sparse_vs_dense"],
+               point["topk_ms"], point["sdpa_dense_ms"], point["gather_sdpa_ms"])
         print(" | ".join(f"{v:>9.3f}" if isinstance(v, float) else f"{v:>9}" for v in row))
         torch.cuda.empty_cache()
     if args.json:
