@@ -10,6 +10,7 @@ the report says so. Benchmarks report timings; they assert nothing.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
@@ -140,18 +141,31 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
              "acceptance_forced": args.acceptance}
     base = S3RConfig(draft_len=args.draft_len, min_budget=args.min_budget, page_size=16,
                      prefill_chunk_size=args.prefill_chunk)
+    _release_memory(device)
     ar = time_engine(model, input_ids, args.max_new_tokens, base, "ar", None)
     point["engine_ar"] = {k: v for k, v in ar.items() if k != "sequences"}
     point["s3r"] = {}
     for ratio in args.budget:
         config = S3RConfig(**{**base.to_dict(), "budget_ratio": ratio})
+        _release_memory(device)
         s3r = time_engine(model, input_ids, args.max_new_tokens, config, "s3r", args.acceptance)
         if args.acceptance is None:  # exact runs: greedy S3R must reproduce greedy AR
             s3r["greedy_matches_ar"] = bool(torch.equal(s3r["sequences"], ar["sequences"]))
         point["s3r"][str(ratio)] = {k: v for k, v in s3r.items() if k != "sequences"}
-    if not args.skip_generate:
-        point["hf_generate"] = time_hf_generate(model, input_ids, args.max_new_tokens, device)
+    if not args.skip_generate:  # the engine's numbers stand even if model.generate runs out of memory
+        _release_memory(device)
+        try:
+            point["hf_generate"] = time_hf_generate(model, input_ids, args.max_new_tokens, device)
+        except torch.OutOfMemoryError as error:
+            point["hf_generate_error"] = f"out of memory: {error}".splitlines()[0]
+    print_point(point)
     return point
+
+
+def _release_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def print_point(point: dict) -> None:
@@ -160,6 +174,8 @@ def print_point(point: dict) -> None:
     print(f"\n{point['model']}  B={point['batch']}  S={point['seq']}  floor {point['floor_ms']:.2f} ms/step{forced}")
     print(f"{'method':<18}{'ms/step':>10}{'tok/s':>12}{'vs AR':>8}{'vs HF':>8}{'tau':>7}{'accept':>8}{'=AR':>6}")
     hf = point.get("hf_generate")
+    if "hf_generate_error" in point:
+        print(f"model.generate failed: {point['hf_generate_error']}")
     rows = [("engine AR", ar)] + [(f"S3R s={ratio}", r) for ratio, r in point["s3r"].items()]
     if hf:
         rows.append(("model.generate", hf))
@@ -224,7 +240,6 @@ def bench_from_args(args: argparse.Namespace) -> list[dict]:
         for batch in (int(v) for v in args.batch.split(",")):
             for seq in (int(v) for v in args.seq.split(",")):
                 point = run_point(model, tokenizer, name, batch, seq, args, bandwidth)
-                print_point(point)
                 points.append(point)
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()

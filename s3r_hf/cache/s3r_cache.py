@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,9 @@ class PagedKVLayer(CacheLayerMixin):
 
     def __init__(self, cache: S3RCache, layer_idx: int, key_pool: torch.Tensor, value_pool: torch.Tensor) -> None:
         super().__init__()
-        self.cache = cache
+        # A weak reference: a cycle cache -> layer -> cache would keep gigabytes of pools alive until Python's
+        # cyclic garbage collector happens to run.
+        self.cache = weakref.proxy(cache)
         self.layer_idx = layer_idx
         self.keys = key_pool
         self.values = value_pool
