@@ -49,15 +49,18 @@ def s3r_attention_forward(
     layer_idx = module.layer_idx
     pools = cache.layers[layer_idx]
     packed = query[0].transpose(0, 1)  # [N, Hq, D]
-    out = torch.empty_like(packed)
+    if _only_kind(step):  # a lockstep step has a single kind of segment: no gather/scatter of rows
+        out = None
+    else:
+        out = torch.empty_like(packed)
     if step.dense is not None:
         dense = step.dense
         dense_out, _, scores = backend.paged_dense_attention(
-            packed[dense.query_index], pools.keys, pools.values, dense.block_tables, dense.cu_seqlens,
+            _rows(packed, dense.query_index), pools.keys, pools.values, dense.block_tables, dense.cu_seqlens,
             dense.positions, scale, dense.score_starts, max_query_len=dense.max_query_len,
             max_context=dense.max_context, max_scored_queries=dense.max_scored_queries,
         )
-        out[dense.query_index] = dense_out
+        out = dense_out if out is None else out.index_copy_(0, dense.query_index, dense_out)
         if scores is not None:
             step.candidates[layer_idx] = backend.select_topk_candidates(
                 scores, dense.history_lens, dense.num_candidates
@@ -66,12 +69,22 @@ def s3r_attention_forward(
         sparse = step.sparse
         view, view_lens = cache.index_views.view(layer_idx, sparse.slots, width=sparse.view_width)
         sparse_out, _ = backend.paged_sparse_attention(
-            packed[sparse.query_index], pools.keys, pools.values, sparse.block_tables, view, view_lens,
+            _rows(packed, sparse.query_index), pools.keys, pools.values, sparse.block_tables, view, view_lens,
             sparse.tail_starts, sparse.positions, scale, max_keys=sparse.max_keys,
         )
-        out[sparse.query_index] = sparse_out
+        out = sparse_out if out is None else out.index_copy_(0, sparse.query_index, sparse_out)
     step.layers_seen.add(layer_idx)
     return out.unsqueeze(0), None
+
+
+def _only_kind(step: StepPlan) -> bool:
+    """True when every packed row belongs to the step's one kind of segment (dense or sparse)."""
+    parts = [part for part in (step.dense, step.sparse) if part is not None]
+    return len(parts) == 1 and parts[0].query_index is None
+
+
+def _rows(packed: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return packed if index is None else packed[index]
 
 
 def _plain_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):

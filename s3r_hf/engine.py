@@ -218,6 +218,10 @@ class S3REngine:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return to_device(values, self.device)
 
+    def _int32(self, values: list[int]) -> torch.Tensor:
+        """Kernel metadata in the kernels' own index type, so no per-layer conversion is launched."""
+        return to_device(values, self.device, torch.int32)
+
     # ================================================================ prefill
     def _prefill_step(self, requests: list[Request]) -> None:
         """Pack prompt chunks (up to `prefill_chunk_size` tokens); finished prompts sample their first token."""
@@ -260,11 +264,11 @@ class S3REngine:
         tokens = torch.cat(pieces)
         num_candidates = max(self.config.budget(r.prompt_len) for r, *_ in chunks)
         dense = DenseSegments(
-            query_index=torch.arange(len(tokens), device=self.device),
-            cu_seqlens=self._tensor(cu),
-            positions=self._tensor(positions),
+            query_index=None,
+            cu_seqlens=self._int32(cu),
+            positions=self._int32(positions),
             block_tables=self.cache.block_tables([r.slot for r, *_ in chunks]),
-            score_starts=self._tensor(scored),
+            score_starts=self._int32(scored),
             history_lens=self._tensor(history),
             num_candidates=num_candidates,
             max_query_len=max(end - start for _, start, end, _ in chunks),
@@ -272,7 +276,7 @@ class S3REngine:
             max_scored_queries=max((end - start - first for (_, start, end, _), first in zip(chunks, scored)
                                     if first >= 0), default=0),
         )
-        plan = StepPlan(write_index=self._tensor(write), position_ids=dense.positions[None], dense=dense)
+        plan = StepPlan(write_index=self._tensor(write), position_ids=self._tensor(positions)[None], dense=dense)
         finals = [i for i, (_, _, _, final) in enumerate(chunks) if final]
         keep = self._tensor([cu[i + 1] - 1 for i in finals])
         logits = self._forward(tokens, plan, keep=keep)
@@ -359,17 +363,16 @@ class S3REngine:
         index = self._tensor(rows)
         # Input tokens stay on the device: the pending token, then the previous pass's drafts.
         tokens = self._tensor([r.pending for r in requests]) if step == 0 else draft_tokens[index, step - 1]
-        position_tensor = self._tensor(positions)
         sparse = SparseQueries(
-            query_index=torch.arange(len(requests), device=self.device),
+            query_index=None,
             slots=self._tensor([r.slot for r in requests]),
             block_tables=self.cache.block_tables([r.slot for r in requests]),
-            tail_starts=self._tensor([r.committed for r in requests]),
-            positions=position_tensor,
+            tail_starts=self._int32([r.committed for r in requests]),
+            positions=self._int32(positions),
             view_width=max(r.view_len for r in requests),
             max_keys=max(r.view_len for r in requests) + step + 1,
         )
-        plan = StepPlan(write_index=self._tensor(write), position_ids=position_tensor[None], sparse=sparse)
+        plan = StepPlan(write_index=self._tensor(write), position_ids=self._tensor(positions)[None], sparse=sparse)
         logits = self._forward(tokens, plan)
         histories = [r.tokens[: r.length + step] for r in requests]
         scores = self.sampling.logits_processor([r.row for r in requests], histories, logits)
@@ -397,18 +400,18 @@ class S3REngine:
         tokens = blocks[self._tensor(block_rows), self._tensor(block_offsets)]
         num_candidates = max(self.config.budget(r.committed + k + 1) for r, k in zip(requests, draft_counts))
         dense = DenseSegments(
-            query_index=torch.arange(len(tokens), device=self.device),
-            cu_seqlens=self._tensor(cu),
-            positions=self._tensor(positions),
+            query_index=None,
+            cu_seqlens=self._int32(cu),
+            positions=self._int32(positions),
             block_tables=self.cache.block_tables([r.slot for r in requests]),
-            score_starts=None if self.mode == "ar" else self._tensor([0] * len(requests)),
+            score_starts=None if self.mode == "ar" else self._int32([0] * len(requests)),
             history_lens=self._tensor(history),
             num_candidates=num_candidates,
             max_query_len=max(draft_counts) + 1,
             max_context=max(r.committed + k + 1 for r, k in zip(requests, draft_counts)),
             max_scored_queries=max(draft_counts) + 1,
         )
-        plan = StepPlan(write_index=self._tensor(write), position_ids=dense.positions[None], dense=dense)
+        plan = StepPlan(write_index=self._tensor(write), position_ids=self._tensor(positions)[None], dense=dense)
         logits = self._forward(tokens, plan)
         histories = [
             r.tokens[: r.length + offset] for r, count in zip(requests, draft_counts) for offset in range(count + 1)

@@ -16,9 +16,9 @@ import torch
 class DenseSegments:
     """Dense causal segments of a step (prefill chunks, verify blocks)."""
 
-    query_index: torch.Tensor  # [Nd] rows of the packed batch
-    cu_seqlens: torch.Tensor  # [Sd + 1]
-    positions: torch.Tensor  # [Nd] absolute positions
+    query_index: torch.Tensor | None  # [Nd] rows of the packed batch; None = all rows, in order
+    cu_seqlens: torch.Tensor  # [Sd + 1] int32
+    positions: torch.Tensor  # [Nd] int32 absolute positions
     block_tables: torch.Tensor  # [Sd, max_pages] int32
     score_starts: torch.Tensor | None  # [Sd] first scored query inside each segment, -1 = not scored
     history_lens: torch.Tensor  # [Sd] top-K candidates are drawn from positions < history_lens
@@ -32,11 +32,11 @@ class DenseSegments:
 class SparseQueries:
     """Single-token draft queries of a step."""
 
-    query_index: torch.Tensor  # [Ns] rows of the packed batch
+    query_index: torch.Tensor | None  # [Ns] rows of the packed batch; None = all rows, in order
     slots: torch.Tensor  # [Ns] cache slots (index views are per slot)
     block_tables: torch.Tensor  # [Ns, max_pages] int32
-    tail_starts: torch.Tensor  # [Ns] committed length: positions >= this are the block's provisional drafts
-    positions: torch.Tensor  # [Ns] absolute positions
+    tail_starts: torch.Tensor  # [Ns] int32 committed length: positions >= this are the block's provisional drafts
+    positions: torch.Tensor  # [Ns] int32 absolute positions
     view_width: int  # longest index view among the queries' requests (host int)
     max_keys: int  # longest view + provisional tail (host int)
 

@@ -258,8 +258,9 @@ def paged_dense_attention(
     if num_queries == 0 or num_segments == 0:
         empty_lse = torch.empty(num_queries, num_heads, dtype=torch.float32, device=query.device)
         return torch.empty_like(query), empty_lse, None
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    if max_query_len is None or max_context is None:  # read back from the device (a sync) unless given
+    hinted = max_query_len is not None and max_context is not None
+    lengths = None if score_starts is None and hinted else (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    if not hinted:  # read back from the device (a sync) unless given
         last = (cu_seqlens[1:].long() - 1).clamp(min=0)
         contexts = torch.where(lengths > 0, positions.long()[last] + 1, torch.zeros_like(lengths))
         max_query_len, max_context = (int(v) for v in torch.stack([lengths.max(), contexts.max()]).tolist())
