@@ -454,8 +454,5 @@ class S3REngine:
         budgets = self._tensor(budget_list)
         for request, budget in zip(requests, budget_list):
             request.view_len = budget
-        for layer in range(self.num_layers):
-            candidates = plan.candidates[layer][seg_index]
-            self.cache.index_views.build(
-                layer, slots, candidates, history, context_lens, budgets, width=max(budget_list)
-            )
+        candidates = torch.stack([plan.candidates[layer] for layer in range(self.num_layers)])[:, seg_index]
+        self.cache.index_views.build(None, slots, candidates, history, context_lens, budgets, width=max(budget_list))

@@ -15,8 +15,9 @@ class SparseIndexViews:
     positions through the request's block table, so a view never copies K/V. All layers and KV heads of a
     request share the view length (the budget depends only on the context length) but not the positions.
 
-    Storage per layer: `positions[layer]` `[max_requests, num_kv_heads, capacity]` int32 and one `lengths`
-    `[max_requests]` int32 shared by the layers.
+    Storage: `positions` `[num_layers, max_requests, num_kv_heads, capacity]` int32 and one `lengths`
+    `[max_requests]` int32 shared by the layers. One tensor for all layers lets a refresh rebuild every layer's
+    views in a handful of batched operations.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, max_requests: int, device: torch.device) -> None:
@@ -24,9 +25,7 @@ class SparseIndexViews:
         self.num_kv_heads = num_kv_heads
         self.device = device
         self.capacity = 0
-        self.positions = [
-            torch.zeros(max_requests, num_kv_heads, 0, dtype=torch.int32, device=device) for _ in range(num_layers)
-        ]
+        self.positions = torch.zeros(num_layers, max_requests, num_kv_heads, 0, dtype=torch.int32, device=device)
         self.lengths = torch.zeros(max_requests, dtype=torch.int32, device=device)
 
     def _ensure_capacity(self, capacity: int) -> None:
@@ -34,15 +33,14 @@ class SparseIndexViews:
             return
         # Grow geometrically so refreshes at growing context lengths rarely reallocate.
         new_capacity = max(capacity, 2 * self.capacity, 64)
-        for layer, old in enumerate(self.positions):
-            grown = torch.zeros(old.shape[0], old.shape[1], new_capacity, dtype=torch.int32, device=self.device)
-            grown[..., : self.capacity] = old
-            self.positions[layer] = grown
+        grown = self.positions.new_zeros(*self.positions.shape[:3], new_capacity)
+        grown[..., : self.capacity] = self.positions
+        self.positions = grown
         self.capacity = new_capacity
 
     def build(
         self,
-        layer: int,
+        layer: int | None,
         slots: torch.Tensor,
         candidates: torch.Tensor,
         history_lens: torch.Tensor,
@@ -50,17 +48,21 @@ class SparseIndexViews:
         budgets: torch.Tensor,
         width: int | None = None,
     ) -> None:
-        """Set the views of `slots` in `layer` to `R ∪ TopK_{K-|R|}` (DESIGN §4 step 4).
+        """Set the views of `slots` in `layer` (every layer when `None`) to `R ∪ TopK_{K-|R|}` (DESIGN §4 step 4).
 
         Args:
+            layer: the layer, or `None` for all layers at once.
             slots: `[S]` request slots.
-            candidates: `[S, Hkv, C]` history positions in descending score order (`-1` = none).
+            candidates: `[S, Hkv, C]` history positions in descending score order (`-1` = none); with
+                `layer=None`, `[num_layers, S, Hkv, C]`.
             history_lens: `[S]`; the recent window is `R = [history_lens, context_lens)`.
             context_lens: `[S]` committed length `|C|` after the refresh.
             budgets: `[S]` view size `K` (`<= context_lens`).
             width: `max(budgets)` when the caller knows it on the host (saves a device read-back).
         """
         device = candidates.device
+        layers = slice(None) if layer is None else slice(layer, layer + 1)
+        candidates = candidates if layer is None else candidates[None]  # [L, S, Hkv, C]
         history_lens, context_lens, budgets = (t.to(device).long() for t in (history_lens, context_lens, budgets))
         recent_len = torch.minimum(context_lens - history_lens, budgets)  # [S]
         top_len = budgets - recent_len  # [S]
@@ -71,20 +73,20 @@ class SparseIndexViews:
 
         # Top part: the first `top_len` candidates of each row.
         cand_idx = torch.arange(num_candidates, device=device)
-        cand_ok = (cand_idx[None, :] < top_len[:, None])[:, None, :] & (candidates >= 0)
+        cand_ok = (cand_idx[None, :] < top_len[:, None])[None, :, None, :] & (candidates >= 0)
         top = torch.where(cand_ok, candidates, torch.full_like(candidates, _UNUSED))
         # Recent part: the last `recent_len` positions before `context_lens` (at most the whole window).
         offsets = torch.arange(width, device=device)
         recent_pos = context_lens[:, None] - recent_len[:, None] + offsets[None, :]
         recent = torch.where(offsets[None, :] < recent_len[:, None], recent_pos, torch.full_like(recent_pos, _UNUSED))
-        recent = recent[:, None, :].expand(-1, self.num_kv_heads, -1).to(torch.int32)
+        recent = recent[None, :, None, :].expand(candidates.shape[0], -1, self.num_kv_heads, -1).to(torch.int32)
         merged = torch.sort(torch.cat([top, recent], dim=-1), dim=-1).values[..., :width]
         if merged.device.type == "cpu":  # a cheap invariant check where it costs no device synchronisation
-            short = (merged == _UNUSED) & (offsets[None, None, :] < budgets[:, None, None])
+            short = (merged == _UNUSED) & (offsets[None, None, None, :] < budgets[None, :, None, None])
             if bool(short.any()):  # the caller asked for fewer candidates than the budget needs
                 raise RuntimeError("index view refresh has fewer candidate positions than its budget")
-        self.positions[layer][slots.long(), :, :width] = merged
-        if layer == 0:
+        self.positions[layers, slots.long(), :, :width] = merged
+        if layer in (None, 0):
             self.lengths[slots.long()] = budgets.to(torch.int32)
 
     def set_full(self, slots: torch.Tensor, context_lens: torch.Tensor) -> None:
@@ -92,8 +94,7 @@ class SparseIndexViews:
         width = int(context_lens.max()) if context_lens.numel() else 0
         self._ensure_capacity(width)
         positions = torch.arange(width, device=self.device, dtype=torch.int32)
-        for layer in range(self.num_layers):
-            self.positions[layer][slots.long(), :, :width] = positions
+        self.positions[:, slots.long(), :, :width] = positions
         self.lengths[slots.long()] = context_lens.to(torch.int32)
 
     def view(self, layer: int, slots: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,4 +105,4 @@ class SparseIndexViews:
         lengths = self.lengths[slots.long()]
         if width is None:
             width = int(lengths.max()) if lengths.numel() else 0
-        return self.positions[layer][slots.long(), :, :width], lengths
+        return self.positions[layer, slots.long(), :, :width], lengths
