@@ -229,10 +229,10 @@ class S3REngine:
         if not finished:
             return
         scores = self.sampling.logits_processor([r.row for r in finished], [r.history for r in finished], logits)
-        first_tokens = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator)
+        first_tokens = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator).tolist()
         for row, request in enumerate(finished):
             request.committed = request.prompt_len
-            self._commit(request, int(first_tokens[row]), scores[row], logits[row])
+            self._commit(request, first_tokens[row], scores[row], logits[row])
         self.refresh_views(plan, finals, finished, [r.prompt_len for r in finished])
 
     def prefill_forward(self, requests: list[Request]):
