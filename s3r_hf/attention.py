@@ -58,7 +58,7 @@ def s3r_attention_forward(
         dense_out, _, scores = backend.paged_dense_attention(
             _rows(packed, dense.query_index), pools.keys, pools.values, dense.block_tables, dense.cu_seqlens,
             dense.positions, scale, dense.score_starts, max_query_len=dense.max_query_len,
-            max_context=dense.max_context, max_scored_queries=dense.max_scored_queries,
+            max_context=dense.max_context, max_scored_queries=dense.max_scored_queries, num_splits=dense.num_splits,
         )
         out = dense_out if out is None else out.index_copy_(0, dense.query_index, dense_out)
         if scores is not None:
@@ -70,7 +70,7 @@ def s3r_attention_forward(
         view, view_lens = cache.index_views.view(layer_idx, sparse.slots, width=sparse.view_width)
         sparse_out, _ = backend.paged_sparse_attention(
             _rows(packed, sparse.query_index), pools.keys, pools.values, sparse.block_tables, view, view_lens,
-            sparse.tail_starts, sparse.positions, scale, max_keys=sparse.max_keys,
+            sparse.tail_starts, sparse.positions, scale, max_keys=sparse.max_keys, num_splits=sparse.num_splits,
         )
         out = sparse_out if out is None else out.index_copy_(0, sparse.query_index, sparse_out)
     step.layers_seen.add(layer_idx)

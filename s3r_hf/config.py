@@ -37,6 +37,9 @@ class S3RConfig:
             KV-utilisation thresholds `(u_low, u_high)` of the AIMD rule.
         restore_backlog_threshold (`int`, defaults to 3):
             Restore backlog `O_th` above which the limit backs off.
+        cuda_graphs (`bool`, defaults to `False`):
+            On CUDA, capture single-token steps (draft passes, dense decode steps) as CUDA graphs per batch
+            bucket and replay them.
         return_logprobs (`bool`, defaults to `False`):
             Return the dense log-probability (under the processed target distribution) of every generated token.
         seed (`int`, *optional*):
@@ -57,6 +60,7 @@ class S3RConfig:
     utilization_low: float = 0.8
     utilization_high: float = 0.95
     restore_backlog_threshold: int = 3
+    cuda_graphs: bool = False
     return_logprobs: bool = False
     seed: int | None = None
 
@@ -79,8 +83,9 @@ class S3RConfig:
         _check_float(self, "utilization_low", low=0.0, high=1.0)
         _check_float(self, "utilization_high", low=self.utilization_low, high=1.0)
         _check_int(self, "restore_backlog_threshold", low=0)
-        if not isinstance(self.return_logprobs, bool):
-            raise ValueError(f"S3RConfig.return_logprobs must be a bool, got {self.return_logprobs!r}")
+        for name in ("cuda_graphs", "return_logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"S3RConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:
             _check_int(self, "seed", low=0)
 

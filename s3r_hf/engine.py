@@ -19,6 +19,7 @@ from s3r_hf.attention import s3r_attention
 from s3r_hf.cache.page_allocator import KVCapacityError
 from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.config import S3RConfig
+from s3r_hf.cuda_graphs import DecodeGraphs
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.request import Request, RequestStatus
 from s3r_hf.sampler import sample_from_scores, speculative_accept
@@ -91,12 +92,17 @@ class S3REngine:
         parameters = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self._supports_logits_to_keep = "logits_to_keep" in parameters
+        self.graphs: DecodeGraphs | None = None
 
     # ================================================================ scheduling
     def run(self, requests: list[Request]) -> S3RStats:
         """Generate until every request finishes; requests are filled in place."""
         for request in requests:
             self._check_fits_alone(request)
+        if self.config.cuda_graphs and self.device.type == "cuda" and requests:
+            longest = max(r.prompt_len + r.max_new_tokens + self.config.draft_len + 1 for r in requests)
+            self.graphs = DecodeGraphs(self.cache, self._model_logits, self.cache.pages_for(longest),
+                                       self.config.draft_len)
         waiting = deque(requests)
         running: list[Request] = []
         paused: deque[Request] = deque()
@@ -191,8 +197,17 @@ class S3REngine:
 
     # ================================================================ forward
     def _forward(self, input_ids: torch.Tensor, plan: StepPlan, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """One packed forward of `input_ids` `[N]`; float logits of the kept rows (all rows when `keep` is None)."""
-        ids = input_ids.to(self.device)[None]
+        """One packed forward of `input_ids` `[N]`; float logits of the kept rows (all rows when `keep` is None).
+
+        Single-token steps replay a CUDA graph when `S3RConfig.cuda_graphs` is on.
+        """
+        input_ids = input_ids.to(self.device)
+        if self.graphs is not None and keep is None and self.graphs.supports(plan, input_ids.shape[0]):
+            return self.graphs.run(input_ids, plan)
+        return self._model_logits(input_ids[None], plan, keep).float()
+
+    def _model_logits(self, ids: torch.Tensor, plan: StepPlan, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's logits `[N, V]` (model dtype) for packed `ids` `[1, N]` under `plan`."""
         kwargs = {self._cache_argument: self.cache}
         if keep is not None and self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = keep
@@ -213,7 +228,7 @@ class S3REngine:
         logits = output.logits[0]
         if keep is not None and not self._supports_logits_to_keep:
             logits = logits[keep]
-        return logits.float()
+        return logits
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return to_device(values, self.device)

@@ -26,6 +26,7 @@ class DenseSegments:
     max_query_len: int  # longest segment (host int: kernels size their grids without reading the device)
     max_context: int  # longest context, the last query's position + 1
     max_scored_queries: int = 0  # most scored queries of any segment (sizes the verify-score scratch)
+    num_splits: int | None = None  # fixed key split (CUDA-graph steps); None lets the kernel choose
 
 
 @dataclass
@@ -39,6 +40,7 @@ class SparseQueries:
     positions: torch.Tensor  # [Ns] int32 absolute positions
     view_width: int  # longest index view among the queries' requests (host int)
     max_keys: int  # longest view + provisional tail (host int)
+    num_splits: int | None = None  # fixed key split (CUDA-graph steps); None lets the kernel choose
 
 
 @dataclass

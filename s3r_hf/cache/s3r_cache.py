@@ -122,7 +122,10 @@ class S3RCache(Cache):
         self.max_requests = max_requests
         self.device = torch.device(device)
         self.dtype = dtype
-        pool_shape = (num_pages, page_size, self.num_kv_heads, self.head_dim)
+        # One page beyond the allocator's: the scratch page where padding rows of fixed-size (CUDA graph) steps
+        # write their K/V, so they never touch a request's pages.
+        self.scratch_page = num_pages
+        pool_shape = (num_pages + 1, page_size, self.num_kv_heads, self.head_dim)
         layers = [
             PagedKVLayer(
                 self,
@@ -137,7 +140,9 @@ class S3RCache(Cache):
         self.page_lists: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._free_slots = list(range(max_requests - 1, -1, -1))
-        self.index_views = SparseIndexViews(self.num_layers, self.num_kv_heads, max_requests, self.device)
+        # One view row beyond the slots: padding rows of fixed-size steps use it, and its length stays 0.
+        self.padding_slot = max_requests
+        self.index_views = SparseIndexViews(self.num_layers, self.num_kv_heads, max_requests + 1, self.device)
         self.step = None  # the StepPlan of the forward in flight, if any
         self.score_recording = False  # plain mode: record verify scores for the index-view refresh
         self.recorded_candidates: dict[int, torch.Tensor] = {}

@@ -49,6 +49,7 @@ def paged_dense_attention(
     max_query_len: int | None = None,
     max_context: int | None = None,
     max_scored_queries: int | None = None,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Dense causal attention of packed varlen queries over paged K/V (prefill chunks and verify blocks).
 
@@ -64,6 +65,7 @@ def paged_dense_attention(
         max_query_len, max_context: the longest segment and context when the caller knows them (host ints);
             saves reading them back from the device. `scores` is `max_context` wide when given.
         max_scored_queries: the most scored queries of any segment, when known (sizes a kernel's scratch).
+        num_splits: how many programs a kernel splits each row's keys over (ignored here).
 
     Returns:
         `out` `[N, Hq, D]`, `lse` `[N, Hq]` (natural-log normaliser of each query's softmax), and, when
@@ -121,6 +123,7 @@ def paged_sparse_attention(
     scale: float,
     *,
     max_keys: int | None = None,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse decode attention of single-token draft queries over an index view plus the provisional tail.
 
@@ -139,6 +142,7 @@ def paged_sparse_attention(
         scale: softmax scale.
         max_keys: the largest `view_lens + tail length` when the caller knows it (a host int; used by kernels
             that split keys over programs, ignored here).
+        num_splits: how many programs a kernel splits each row's keys over (ignored here).
 
     Returns:
         `out` `[N, Hq, D]` and `lse` `[N, Hq]`.

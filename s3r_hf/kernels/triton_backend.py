@@ -100,8 +100,13 @@ def paged_sparse_attention(
     scale: float,
     *,
     max_keys: int | None = None,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `reference.paged_sparse_attention` (same arguments and results)."""
+    """Triton version of `reference.paged_sparse_attention` (same arguments and results).
+
+    `num_splits` fixes how many programs share a row's keys (CUDA-graph steps need a fixed grid); by default it
+    is chosen from the shape.
+    """
     num_queries, num_heads, head_dim = query.shape
     num_kv_heads = key_pool.shape[2]
     group = num_heads // num_kv_heads
@@ -113,7 +118,7 @@ def paged_sparse_attention(
     if num_queries == 0:
         return torch.empty_like(query), torch.empty(0, num_heads, dtype=torch.float32, device=query.device)
     longest = max_keys if max_keys is not None else int(view_lens.max() + (positions - tail_starts).max() + 1)
-    splits = _num_splits(num_queries * num_kv_heads, longest, min_keys=_MIN_KEYS_PER_SPLIT)
+    splits = num_splits or _num_splits(num_queries * num_kv_heads, longest, min_keys=_MIN_KEYS_PER_SPLIT)
     keys_per_split = -(-longest // splits)
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=torch.float32, device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
@@ -245,8 +250,13 @@ def paged_dense_attention(
     max_query_len: int | None = None,
     max_context: int | None = None,
     max_scored_queries: int | None = None,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Triton version of `reference.paged_dense_attention` (same arguments and results)."""
+    """Triton version of `reference.paged_dense_attention` (same arguments and results).
+
+    `num_splits` fixes how many programs share a query block's keys (CUDA-graph steps need a fixed grid); by
+    default it is chosen from the shape.
+    """
     num_queries, num_heads, head_dim = query.shape
     num_kv_heads = key_pool.shape[2]
     group = num_heads // num_kv_heads
@@ -282,7 +292,9 @@ def paged_dense_attention(
         kernel_starts = torch.where(starts >= 0, starts, lengths + 1).to(torch.int32).contiguous()
     scratch = logits if logits is not None else positions  # any valid pointer when scores are off
     num_q_blocks = triton.cdiv(max_len, block_m)
-    splits = _num_splits(num_segments * num_kv_heads * num_q_blocks, max_context, min_keys=_MIN_KEYS_PER_SPLIT)
+    splits = num_splits or _num_splits(
+        num_segments * num_kv_heads * num_q_blocks, max_context, min_keys=_MIN_KEYS_PER_SPLIT
+    )
     keys_per_split = -(-max_context // splits)
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=torch.float32, device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)

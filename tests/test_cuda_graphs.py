@@ -1,0 +1,45 @@
+"""CUDA graphs for single-token steps: which steps qualify (everywhere) and exactness on CUDA (GPU only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import s3r_hf
+from s3r_hf import S3RConfig
+from s3r_hf.cuda_graphs import DecodeGraphs
+from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
+from tests.conftest import left_padded_batch, tiny_model
+
+
+def _dense(length: int, scored: bool) -> DenseSegments:
+    return DenseSegments(
+        query_index=None, cu_seqlens=torch.arange(3), positions=torch.zeros(2), block_tables=torch.zeros(2, 1),
+        score_starts=torch.zeros(2) if scored else None, history_lens=torch.zeros(2), num_candidates=0,
+        max_query_len=length, max_context=8,
+    )
+
+
+def test_only_single_token_unscored_steps_are_graphed():
+    sparse = SparseQueries(query_index=None, slots=torch.zeros(2), block_tables=torch.zeros(2, 1),
+                           tail_starts=torch.zeros(2), positions=torch.zeros(2), view_width=4, max_keys=6)
+    plan = lambda **parts: StepPlan(write_index=torch.zeros(2), position_ids=torch.zeros(1, 2), **parts)  # noqa: E731
+    assert DecodeGraphs.kind(plan(sparse=sparse)) == "sparse"
+    assert DecodeGraphs.kind(plan(dense=_dense(1, scored=False))) == "dense"
+    assert DecodeGraphs.kind(plan(dense=_dense(7, scored=False))) is None  # verify blocks run eagerly
+    assert DecodeGraphs.kind(plan(dense=_dense(1, scored=True))) is None  # scored steps size a scratch
+    assert DecodeGraphs.kind(plan(dense=_dense(1, scored=False), sparse=sparse)) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_greedy_with_cuda_graphs_matches_dense_on_cuda():
+    model = s3r_hf.enable(tiny_model("qwen3", seed=31).cuda())
+    input_ids, attention_mask = (t.cuda() for t in left_padded_batch([9, 30, 17, 41, 5], seed=32))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=40)
+    dense = model.generate(input_ids, **kwargs)
+    config = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, cuda_graphs=True)
+    out = model.generate(input_ids, s3r_config=config, **kwargs)
+    assert torch.equal(out, dense)
+    assert out.s3r_stats.drafted > out.s3r_stats.accepted
+    ar = model.generate(input_ids, s3r_config=config, s3r_mode="ar", **kwargs)
+    assert torch.equal(ar, dense)
