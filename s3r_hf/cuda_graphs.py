@@ -1,10 +1,12 @@
-"""CUDA graphs for single-token steps: sparse draft passes and dense decode steps.
+"""CUDA graphs for decode steps: sparse draft passes, dense decode steps and verify blocks.
 
 A decode forward of an HF model launches hundreds of small kernels; at the batch sizes of RL rollouts that
-launch work, not the memory traffic, sets the step time. Single-token steps have a fixed shape for a given
-number of requests, so each (kind, batch bucket) is captured once and replayed: the step's metadata is copied
-into the graph's static buffers, padding rows write their K/V to the cache's scratch page and read the
-padding index-view row (length 0), and the kernels run with one program per row (a fixed grid).
+launch work, not the memory traffic, sets the step time. Decode steps have a fixed shape for a given number of
+requests, so each (kind, batch bucket) is captured once and replayed: the step's metadata is copied into the
+graph's static buffers, padding rows write their K/V to the cache's scratch page and read the padding
+index-view row (length 0), and the kernels run on a fixed grid. A verify step holds up to `draft_len + 1`
+tokens per request; its unused token slots form one extra padding segment, and its verify-score scratch is
+sized for the longest context of the call.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ class DecodeGraphs:
         cache: the engine's `S3RCache`.
         forward: runs the model on `(input_ids [1, B], plan)` and returns logits `[B, V]`.
         max_pages: widest block table of any request of the call.
-        draft_len: tokens drafted per round (bounds the provisional tail of a draft query).
+        draft_len: tokens drafted per round (bounds the provisional tail of a draft query and a verify block).
+        max_candidates: top-K candidates a verify step keeps (the budget at the longest context).
     """
 
-    def __init__(self, cache: S3RCache, forward: Callable, max_pages: int, draft_len: int) -> None:
+    def __init__(self, cache: S3RCache, forward: Callable, max_pages: int, draft_len: int, max_candidates: int) -> None:
         self.cache = cache
+        self.max_candidates = max_candidates
         self.forward = forward
         self.max_pages = max_pages
         self.max_context = max_pages * cache.page_size
@@ -49,26 +53,31 @@ class DecodeGraphs:
         self.replays = 0
 
     @staticmethod
-    def kind(plan: StepPlan) -> str | None:
-        """`"sparse"` for draft steps, `"dense"` for single-query unscored dense steps, else `None`."""
+    def kind(plan: StepPlan, draft_len: int | None = None) -> str | None:
+        """`"sparse"` (draft steps), `"dense"` (single-query unscored steps), `"verify"` (scored blocks of at
+        most `draft_len + 1` queries), or `None` for steps that run eagerly (prefill chunks, mixed steps)."""
         if plan.sparse is not None and plan.dense is None and plan.sparse.query_index is None:
             return "sparse"
         dense = plan.dense
-        if (
-            dense is not None and plan.sparse is None and dense.query_index is None and dense.score_starts is None
-            and dense.max_query_len == 1
-        ):
+        if dense is None or plan.sparse is not None or dense.query_index is not None:
+            return None
+        if dense.score_starts is None and dense.max_query_len == 1:
             return "dense"
+        if dense.score_starts is not None and draft_len is not None and dense.max_query_len <= draft_len + 1:
+            return "verify"
         return None
 
     def supports(self, plan: StepPlan, num_tokens: int) -> bool:
-        return self.kind(plan) is not None and num_tokens <= BUCKETS[-1]
+        kind = self.kind(plan, self.draft_len)
+        segments = num_tokens if kind != "verify" else plan.dense.cu_seqlens.shape[0] - 1
+        return kind is not None and segments <= BUCKETS[-1]
 
     def run(self, input_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """Logits `[n, V]` of the step, from a replayed graph (captured on first use of its bucket)."""
-        kind = self.kind(plan)
+        kind = self.kind(plan, self.draft_len)
         count = input_ids.shape[0]
-        bucket = next(b for b in BUCKETS if b >= count)
+        segments = count if kind != "verify" else plan.dense.cu_seqlens.shape[0] - 1
+        bucket = next(b for b in BUCKETS if b >= segments)
         key = (kind, bucket, self.cache.index_views.capacity if kind == "sparse" else 0)
         step = self.steps.get(key)
         if step is None:
@@ -81,6 +90,8 @@ class DecodeGraphs:
             self._fill(step, input_ids, plan, count)
         step.graph.replay()
         self.replays += 1
+        if kind == "verify":  # the step's top-K candidates, valid until this graph replays again
+            plan.candidates = step.plan.candidates
         # A copy: the graph's output buffer is overwritten by the next replay.
         return step.logits[:count].to(torch.float32, copy=True)
 
@@ -102,6 +113,17 @@ class DecodeGraphs:
                 block_tables=block_tables, score_starts=None, history_lens=torch.zeros(bucket, **long),
                 num_candidates=0, max_query_len=1, max_context=self.max_context, num_splits=1,
             )
+        elif kind == "verify":
+            tokens = bucket * (self.draft_len + 1)
+            plan = StepPlan(write_index=torch.zeros(tokens, **long), position_ids=torch.zeros(1, tokens, **long))
+            plan.dense = DenseSegments(
+                query_index=None, cu_seqlens=torch.zeros(bucket + 2, **int32),
+                positions=torch.zeros(tokens, **int32), block_tables=torch.zeros(bucket + 1, self.max_pages, **int32),
+                score_starts=torch.zeros(bucket + 1, **int32), history_lens=torch.zeros(bucket + 1, **long),
+                num_candidates=self.max_candidates, max_query_len=self.draft_len + 1, max_context=self.max_context,
+                max_scored_queries=self.draft_len + 1, num_splits=1,
+            )
+            return _CapturedStep(graph=None, plan=plan, input_ids=torch.zeros(1, tokens, **long))
         else:
             capacity = self.cache.index_views.capacity
             plan.sparse = SparseQueries(
@@ -126,7 +148,16 @@ class DecodeGraphs:
         target.positions[:count].copy_(source.positions)
         target.positions[count:].zero_()
         target.block_tables.zero_()
-        target.block_tables[:count, : source.block_tables.shape[1]].copy_(source.block_tables)
+        rows = source.block_tables.shape[0]
+        target.block_tables[:rows, : source.block_tables.shape[1]].copy_(source.block_tables)
+        if static.dense is not None and static.dense.score_starts is not None:
+            # Real segments first; all unused token slots form one padding segment; later segments are empty.
+            target.cu_seqlens[: rows + 1].copy_(source.cu_seqlens)
+            target.cu_seqlens[rows + 1 :].fill_(static.write_index.shape[0])
+            target.score_starts[:rows].copy_(source.score_starts)
+            target.score_starts[rows:].fill_(-1)
+            target.history_lens[:rows].copy_(source.history_lens)
+            target.history_lens[rows:].zero_()
         if static.sparse is not None:
             target.slots[:count].copy_(source.slots)
             target.slots[count:].fill_(self.cache.padding_slot)

@@ -101,8 +101,9 @@ class S3REngine:
             self._check_fits_alone(request)
         if self.config.cuda_graphs and self.device.type == "cuda" and requests:
             longest = max(r.prompt_len + r.max_new_tokens + self.config.draft_len + 1 for r in requests)
-            self.graphs = DecodeGraphs(self.cache, self._model_logits, self.cache.pages_for(longest),
-                                       self.config.draft_len)
+            max_pages = self.cache.pages_for(longest)
+            self.graphs = DecodeGraphs(self.cache, self._model_logits, max_pages, self.config.draft_len,
+                                       self.config.budget(max_pages * self.cache.page_size))
         waiting = deque(requests)
         running: list[Request] = []
         paused: deque[Request] = deque()

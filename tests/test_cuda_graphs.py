@@ -1,4 +1,4 @@
-"""CUDA graphs for single-token steps: which steps qualify (everywhere) and exactness on CUDA (GPU only)."""
+"""CUDA graphs for decode steps: which steps qualify (everywhere) and exactness on CUDA (GPU only)."""
 
 from __future__ import annotations
 
@@ -20,15 +20,16 @@ def _dense(length: int, scored: bool) -> DenseSegments:
     )
 
 
-def test_only_single_token_unscored_steps_are_graphed():
+def test_which_steps_are_graphed():
     sparse = SparseQueries(query_index=None, slots=torch.zeros(2), block_tables=torch.zeros(2, 1),
                            tail_starts=torch.zeros(2), positions=torch.zeros(2), view_width=4, max_keys=6)
     plan = lambda **parts: StepPlan(write_index=torch.zeros(2), position_ids=torch.zeros(1, 2), **parts)  # noqa: E731
     assert DecodeGraphs.kind(plan(sparse=sparse)) == "sparse"
     assert DecodeGraphs.kind(plan(dense=_dense(1, scored=False))) == "dense"
-    assert DecodeGraphs.kind(plan(dense=_dense(7, scored=False))) is None  # verify blocks run eagerly
-    assert DecodeGraphs.kind(plan(dense=_dense(1, scored=True))) is None  # scored steps size a scratch
-    assert DecodeGraphs.kind(plan(dense=_dense(1, scored=False), sparse=sparse)) is None
+    assert DecodeGraphs.kind(plan(dense=_dense(7, scored=True)), draft_len=6) == "verify"
+    assert DecodeGraphs.kind(plan(dense=_dense(8, scored=True)), draft_len=6) is None  # longer than a block
+    assert DecodeGraphs.kind(plan(dense=_dense(7, scored=False)), draft_len=6) is None  # prefill chunks: eager
+    assert DecodeGraphs.kind(plan(dense=_dense(1, scored=False), sparse=sparse)) is None  # mixed steps: eager
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -41,5 +42,8 @@ def test_greedy_with_cuda_graphs_matches_dense_on_cuda():
     out = model.generate(input_ids, s3r_config=config, **kwargs)
     assert torch.equal(out, dense)
     assert out.s3r_stats.drafted > out.s3r_stats.accepted
+    # Drafts, verify blocks and AR steps all replay graphs; the index views they refresh keep results exact.
+    sampled = model.generate(input_ids, s3r_config=config, **{**kwargs, "do_sample": True, "top_k": 1})
+    assert torch.equal(sampled, dense)
     ar = model.generate(input_ids, s3r_config=config, s3r_mode="ar", **kwargs)
     assert torch.equal(ar, dense)
