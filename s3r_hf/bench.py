@@ -118,10 +118,13 @@ def time_engine(model, input_ids, max_new_tokens: int, config: S3RConfig, mode: 
         eos_token_id=None, s3r_config=config, s3r_mode=mode, s3r_forced_acceptance=acceptance, s3r_timing=True,
     )
     stats = out.s3r_stats
-    generated = stats.committed + input_ids.shape[0]  # + the first token of each request, sampled at prefill
+    # Steady state: CUDA-graph captures (once per batch bucket and call) are reported apart.
+    decode = stats.decode_seconds - stats.graph_capture_seconds
     return {
-        "ms_per_step": stats.decode_seconds / max(stats.steps, 1) * 1e3,
-        "tokens_per_s": (generated - input_ids.shape[0]) / stats.decode_seconds,
+        "ms_per_step": decode / max(stats.steps, 1) * 1e3,
+        "tokens_per_s": stats.committed / decode,
+        "graph_captures": stats.graph_captures,
+        "graph_capture_s": stats.graph_capture_seconds,
         "prefill_s": stats.prefill_seconds,
         "tau": stats.mean_acceptance_length,
         "acceptance_rate": stats.acceptance_rate,
@@ -174,6 +177,9 @@ def print_point(point: dict) -> None:
     forced = f" (acceptance forced to {point['acceptance_forced']}, not exact)" if point["acceptance_forced"] else ""
     print(f"\n{point['model']}  B={point['batch']}  S={point['seq']}  floor {point['floor_ms']:.2f} ms/step{forced}")
     print(f"{'method':<18}{'ms/step':>10}{'tok/s':>12}{'vs AR':>8}{'vs HF':>8}{'tau':>7}{'accept':>8}{'=AR':>6}")
+    captures = [(label, r) for label, r in [("AR", ar)] + list(point["s3r"].items()) if r.get("graph_captures")]
+    for label, r in captures:
+        print(f"  {label}: {r['graph_captures']} CUDA-graph captures, {r['graph_capture_s']:.2f} s (excluded)")
     hf = point.get("hf_generate")
     if "hf_generate_error" in point:
         print(f"model.generate failed: {point['hf_generate_error']}")

@@ -11,6 +11,7 @@ sized for the longest context of the call.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,6 +52,8 @@ class DecodeGraphs:
         self.steps: dict[tuple, _CapturedStep] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.replays = 0
+        self.captures = 0
+        self.capture_seconds = 0.0  # wall time spent capturing (device-synchronized)
 
     @staticmethod
     def kind(plan: StepPlan, draft_len: int | None = None) -> str | None:
@@ -167,6 +170,8 @@ class DecodeGraphs:
     def _capture(self, step: _CapturedStep) -> None:
         # Warm up on a side stream (Triton compiles, allocator settles), then capture. The warm-up forwards
         # write the same K/V the replay will write, so they change nothing.
+        torch.cuda.synchronize()
+        started = time.perf_counter()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -177,3 +182,6 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             step.logits = self.forward(step.input_ids, step.plan)
         step.graph = graph
+        torch.cuda.synchronize()
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - started

@@ -124,6 +124,9 @@ class S3REngine:
                     self.cache.release(request.slot)
                     request.slot = None
                 self.concurrency.update(self.cache.utilization, len(paused))
+        if self.graphs is not None:
+            self.stats.graph_captures = self.graphs.captures
+            self.stats.graph_capture_seconds = self.graphs.capture_seconds
         return self.stats
 
     def _clock(self) -> float:

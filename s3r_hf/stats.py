@@ -23,7 +23,9 @@ class S3RStats:
     pages_offloaded: int = 0
     peak_kv_pages: int = 0
     prefill_seconds: float = 0.0  # wall time of prefill steps (device-synchronized when the engine times)
-    decode_seconds: float = 0.0  # wall time of draft/verify rounds
+    decode_seconds: float = 0.0  # wall time of draft/verify rounds (CUDA-graph captures included)
+    graph_captures: int = 0
+    graph_capture_seconds: float = 0.0  # part of decode_seconds spent capturing CUDA graphs
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
 
@@ -74,6 +76,8 @@ class S3RStats:
             "peak_kv_pages": self.peak_kv_pages,
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
+            "graph_captures": self.graph_captures,
+            "graph_capture_seconds": self.graph_capture_seconds,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance": self.per_position_acceptance,
