@@ -248,10 +248,13 @@ class S3REngine:
         if not finished:
             return
         scores = self.sampling.logits_processor([r.row for r in finished], [r.history for r in finished], logits)
-        first_tokens = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator).tolist()
+        sampled = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator)
+        logprobs = self._logprobs(scores, sampled)
+        first_tokens = sampled.tolist()
         for row, request in enumerate(finished):
             request.committed = request.prompt_len
-            self._commit(request, first_tokens[row], scores[row], logits[row])
+            logprob = logprobs[row] if logprobs is not None else None
+            self._commit(request, first_tokens[row], scores[row], logits[row], logprob)
         self.refresh_views(plan, finals, finished, [r.prompt_len for r in finished])
 
     def prefill_forward(self, requests: list[Request]):
@@ -338,10 +341,15 @@ class S3REngine:
                 self.sampling.greedy, self.sampling.generator,
             )
             num_accepted, next_tokens = result.num_accepted, result.next_tokens
-        # The accept decision is the one device-to-host read a round needs.
+        # The accept decision is the one device-to-host read a round needs (plus log-probs when asked for).
         accepted_list = num_accepted.tolist()
         next_list = next_tokens.tolist()
         draft_list = draft_tokens.tolist()
+        # Token committed at each block offset: the accepted drafts, then the correction/bonus token.
+        spare = torch.zeros(len(requests), 1, dtype=torch.long, device=self.device)
+        proposed = torch.cat([draft_tokens, spare], dim=1)[:, : target_scores.shape[1]]
+        proposed[torch.arange(len(requests), device=self.device), num_accepted] = next_tokens
+        logprobs = self._logprobs(target_scores, proposed)
         committed_counts = []
         for row, request in enumerate(requests):
             context = request.committed
@@ -349,7 +357,9 @@ class S3REngine:
             count = 0
             for offset, token in enumerate(proposals):
                 count += 1
-                if self._commit(request, token, target_scores[row, offset], logits[block_starts[row] + offset]):
+                logprob = logprobs[row][offset] if logprobs is not None else None
+                raw = logits[block_starts[row] + offset]
+                if self._commit(request, token, target_scores[row, offset], raw, logprob):
                     break
             committed_counts.append(count)
             # K/V of the pending token and the accepted drafts are now dense and valid; the rest is discarded.
@@ -443,7 +453,16 @@ class S3REngine:
         return plan, logits, cu, target_scores
 
     # ================================================================ commit and refresh
-    def _commit(self, request: Request, token: int, scores: torch.Tensor, logits: torch.Tensor) -> bool:
+    def _logprobs(self, scores: torch.Tensor, tokens: torch.Tensor) -> list | None:
+        """Log-probabilities of `tokens` under `softmax(scores)` (any leading shape), read back in one go."""
+        if not self.config.return_logprobs:
+            return None
+        log_probs = torch.log_softmax(scores.float(), dim=-1)
+        return log_probs.gather(-1, tokens.to(scores.device)[..., None]).squeeze(-1).tolist()
+
+    def _commit(
+        self, request: Request, token: int, scores: torch.Tensor, logits: torch.Tensor, logprob: float | None
+    ) -> bool:
         """Append one generated token; returns True when the request stops on it."""
         request.append(token)
         request.pending = token
@@ -451,8 +470,8 @@ class S3REngine:
             request.scores.append(scores.detach().clone())
         if self.sampling.output_logits:
             request.raw_logits.append(logits.detach().clone())
-        if self.config.return_logprobs:
-            request.logprobs.append(float(torch.log_softmax(scores.float(), dim=-1)[token]))
+        if logprob is not None:
+            request.logprobs.append(logprob)
         stop = token in self.sampling.eos_token_ids or request.remaining <= 0
         if not stop and len(self.sampling.stopping_criteria) > 0:
             history = request.history[None].to(scores.device)
