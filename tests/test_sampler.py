@@ -1,0 +1,53 @@
+"""`speculative_accept` on its own: the committed token follows p exactly, ragged blocks, greedy mode."""
+
+from __future__ import annotations
+
+import torch
+from scipy.stats import chisquare
+
+from s3r_hf.sampler import sample_from_scores, speculative_accept
+
+VOCAB = 6
+
+
+def test_first_committed_token_follows_the_target_distribution():
+    # One draft per row: the committed token is the draft if accepted, else the residual sample. Over many rows
+    # its distribution must be p, whatever q is, even when q puts mass where p has none.
+    generator = torch.Generator().manual_seed(0)
+    rows = 200_000
+    p = torch.tensor([0.05, 0.4, 0.0, 0.25, 0.2, 0.1])
+    q = torch.tensor([0.3, 0.1, 0.2, 0.1, 0.2, 0.1])
+    draft_scores = q.log().expand(rows, 1, VOCAB)
+    target_scores = p.log().expand(rows, 2, VOCAB)
+    drafts = torch.multinomial(q, rows, replacement=True, generator=generator)[:, None]
+    result = speculative_accept(drafts, draft_scores, target_scores, torch.ones(rows, dtype=torch.long), False,
+                                generator)
+    committed = torch.where(result.num_accepted == 1, drafts[:, 0], result.next_tokens)
+    counts = torch.bincount(committed, minlength=VOCAB).double()
+    assert counts[2] == 0  # impossible under p
+    support = p > 0
+    test = chisquare(counts[support].numpy(), (p[support] * rows).double().numpy())
+    assert test.pvalue > 1e-3, test
+    # And the rejections really happened (q differs from p).
+    assert 0.2 < result.num_accepted.float().mean() < 0.9
+
+
+def test_ragged_blocks_greedy_and_bonus():
+    # Row 0: two drafts, both equal the target argmax -> both accepted, bonus = argmax of position 3.
+    # Row 1: two drafts, the second is wrong -> one accepted, correction = argmax of position 2.
+    # Row 2: no drafts this round (max_new_tokens) -> next token = argmax of position 1.
+    target = torch.full((3, 3, VOCAB), -5.0)
+    target[:, 0, 1] = target[:, 1, 2] = target[:, 2, 3] = 5.0
+    drafts = torch.tensor([[1, 2], [1, 4], [0, 0]])
+    draft_scores = torch.zeros(3, 2, VOCAB)
+    result = speculative_accept(drafts, draft_scores, target, torch.tensor([2, 2, 0]), True)
+    assert result.num_accepted.tolist() == [2, 1, 0]
+    assert result.next_tokens.tolist() == [3, 2, 1]
+
+
+def test_sampled_mode_with_identical_distributions_accepts_everything():
+    generator = torch.Generator().manual_seed(1)
+    scores = torch.randn(64, 4, VOCAB, generator=generator)
+    drafts = torch.stack([sample_from_scores(scores[:, i], False, generator) for i in range(3)], dim=1)
+    result = speculative_accept(drafts, scores[:, :3], scores, torch.full((64,), 3), False, generator)
+    assert result.num_accepted.tolist() == [3] * 64
