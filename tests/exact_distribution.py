@@ -22,6 +22,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from tests.conftest import TINY
+
 
 def tiny_enumerable_model(
     vocab_size: int = 8, seed: int = 0, attention_gain: float = 4.0, output_gain: float = 1.0
@@ -35,18 +37,14 @@ def tiny_enumerable_model(
     """
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-        tie_word_embeddings=False,
+        **{
+            **TINY,
+            "vocab_size": vocab_size,
+            "max_position_embeddings": 256,
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "tie_word_embeddings": False,
+        }
     )
     model = LlamaForCausalLM(config).float().eval()
     with torch.no_grad():
