@@ -11,7 +11,14 @@ if not os.path.exists("/dev/nvidia0"):
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 # Tiny models: one thread is much faster than several contending for the CI machine's two cores.
 torch.set_num_threads(1)
@@ -52,6 +59,21 @@ def left_padded_batch(lengths: list[int], vocab: int = 256, seed: int = 0, pad: 
         input_ids[row, width - length :] = torch.randint(3, vocab, (length,), generator=generator)
         attention_mask[row, width - length :] = 1
     return input_ids, attention_mask
+
+
+WORDS = "<unk> <eos> <user> <assistant> a the how many is of and books eggs dollars ? . 1 2 3 4 5 6 7 8 9".split()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer built offline, with an EOS token, a chat template and no pad token."""
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}<assistant> {% endif %}"
+    )
+    return tokenizer
 
 
 @pytest.fixture(params=["qwen3", "llama"])

@@ -12,27 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import s3r_hf.models as s3r_models
 from s3r_hf.cli import build_parser, main
 from s3r_hf.demo import build_batch, generated_lengths, load_demo_prompts
 from s3r_hf.models import DEFAULT_MODEL, load_model_and_tokenizer, verify_sha256
-
-WORDS = "<unk> <eos> <user> <assistant> a the how many is of and books eggs dollars ? . 1 2 3 4 5 6 7 8 9".split()
+from tests.conftest import WORDS, tiny_tokenizer
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer built offline, with an EOS token, a chat template and no pad token."""
-    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
-    tokenizer.chat_template = (
-        "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}"
-        "{% if add_generation_prompt %}<assistant> {% endif %}"
-    )
-    return tokenizer
+    return tiny_tokenizer()
 
 
 def make_model() -> LlamaForCausalLM:

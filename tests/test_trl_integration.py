@@ -1,0 +1,92 @@
+"""`S3RGRPOTrainer`: GRPO steps with S3R rollouts on a tiny model (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.conftest import WORDS, tiny_tokenizer
+from trl_integration import S3RGRPOConfig, S3RGRPOTrainer
+
+PROMPTS = ["how many eggs ?", "how many books and eggs ?", "the dollars of 3 books ?", "how many is 4 and 5 ?"]
+
+
+def tiny_policy(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(WORDS), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, eos_token_id=WORDS.index("<eos>"),
+        bos_token_id=None, pad_token_id=WORDS.index("<eos>"),
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def count_reward(completions, **kwargs) -> list[float]:
+    """Rewards mentioning numbers: enough signal for GRPO to take non-zero steps."""
+    return [float(sum(word.isdigit() for word in text.split())) for text in completions]
+
+
+def make_trainer(tmp_path, seed: int = 0, **overrides) -> S3RGRPOTrainer:
+    tokenizer = tiny_tokenizer()
+    tokenizer.pad_token = "<eos>"
+    overrides.setdefault("max_steps", 2)
+    args = S3RGRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=10,
+        learning_rate=1e-2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+        seed=seed, temperature=1.0, dataloader_num_workers=0, bf16=False,
+        s3r_config={"draft_len": 3, "budget_ratio": 0.1, "min_budget": 2, "page_size": 4, "seed": seed},
+        **overrides,
+    )
+    return S3RGRPOTrainer(
+        model=tiny_policy(seed), reward_funcs=count_reward, args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}), processing_class=tokenizer,
+    )
+
+
+def test_two_grpo_steps_with_s3r_rollouts_log_s3r_metrics(tmp_path):
+    trainer = make_trainer(tmp_path)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "s3r/acceptance_rate" in entry]
+    assert len(logs) == 2, trainer.state.log_history
+    for entry in logs:
+        assert 0.0 <= entry["s3r/acceptance_rate"] <= 1.0
+        assert entry["s3r/drafted_tokens"] > 0 and entry["s3r/rollout_seconds"] > 0
+        assert 1.0 <= entry["s3r/mean_acceptance_length"] <= 4.0
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())), "no optimizer step"
+
+
+def test_s3r_rollouts_equal_trl_generation_with_top_k_1_and_return_dense_logprobs(tmp_path):
+    s3r = make_trainer(tmp_path / "s3r", top_k=1)
+    trl = make_trainer(tmp_path / "trl", top_k=1, use_s3r=False)
+    tokenizer = s3r.processing_class
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    ours, logprobs = s3r._generate_single_turn(prompt_ids, None, {}, 1)
+    theirs, _ = trl._generate_single_turn(prompt_ids, None, {}, 1)
+    assert ours == theirs
+    assert [len(lp) for lp in logprobs] == [len(c) for c in ours]
+    # top_k=1 makes the processed target distribution a point mass: every sampled token has log-prob 0.
+    assert all(abs(v) < 1e-5 for lp in logprobs for v in lp)
+
+
+def test_training_is_unchanged_by_s3r_except_through_the_samples(tmp_path):
+    # With top_k=1 the samples are deterministic, so S3R and TRL's own generation must train identically. One
+    # step: TRL's sampling draws from torch's global generator (S3R's own is seeded), so from the second step
+    # on the two runs' global random streams, and with them the data order, differ.
+    s3r = make_trainer(tmp_path / "s3r", top_k=1, max_steps=1)
+    trl = make_trainer(tmp_path / "trl", top_k=1, use_s3r=False, max_steps=1)
+    s3r.train()
+    trl.train()
+    for ours, theirs in zip(s3r.model.parameters(), trl.model.parameters()):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+    losses = lambda t: [e["loss"] for e in t.state.log_history if "loss" in e]  # noqa: E731
+    assert losses(s3r) == pytest.approx(losses(trl), abs=1e-6)
+
+
+def test_config_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="draft_len"):
+        S3RGRPOConfig(output_dir=str(tmp_path), s3r_config={"draft_len": 0}, use_cpu=True)
+    with pytest.raises(ValueError, match="JSON"):
+        S3RGRPOConfig(output_dir=str(tmp_path), s3r_config="{draft_len: 3", use_cpu=True)
