@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from datasets import Dataset
@@ -89,3 +94,23 @@ def test_config_errors_name_the_problem(tmp_path):
         S3RGRPOConfig(output_dir=str(tmp_path), s3r_config={"draft_len": 0}, use_cpu=True)
     with pytest.raises(ValueError, match="JSON"):
         S3RGRPOConfig(output_dir=str(tmp_path), s3r_config="{draft_len: 3", use_cpu=True)
+
+
+def test_accelerate_launch_two_cpu_processes():
+    """Two CPU processes under `accelerate launch` (gloo, DDP) run GRPO with S3R rollouts on both ranks.
+
+    This accelerate's `--cpu` flag starts a single process whatever `--num_processes` says (multi-CPU needs
+    mpirun), so the launch goes through torchrun (`--multi_gpu`) and the trainer's `use_cpu=True` makes it a
+    CPU/gloo run.
+    """
+    script = Path(__file__).with_name("ddp_grpo.py")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ,
+                            "OMP_NUM_THREADS": "1"})
+    lines = [line for line in result.stdout.splitlines() if line.startswith("S3R-DDP")]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert sorted(line.split()[1] for line in lines) == ["rank=0", "rank=1"], result.stdout[-3000:]
+    for line in lines:
+        assert "world=2" in line and "steps=2" in line and "s3r_logs=2" in line, line
+        assert "wrapped=DistributedDataParallel" in line, line

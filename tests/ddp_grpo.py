@@ -1,0 +1,30 @@
+"""Two GRPO steps with S3R rollouts under `accelerate launch --num_processes 2 --cpu` (run by the tests)."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.test_trl_integration import make_trainer  # noqa: E402
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as directory:
+        trainer = make_trainer(Path(directory))
+        trainer.train()
+        rank = trainer.accelerator.process_index
+        world = trainer.accelerator.num_processes
+        logged = [entry for entry in trainer.state.log_history if "s3r/acceptance_rate" in entry]
+        model_type = type(trainer.model_wrapped).__name__
+        print(f"S3R-DDP rank={rank} world={world} steps={trainer.state.global_step} s3r_logs={len(logged)} "
+              f"wrapped={model_type}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
