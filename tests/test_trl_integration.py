@@ -114,3 +114,15 @@ def test_accelerate_launch_two_cpu_processes():
     for line in lines:
         assert "world=2" in line and "steps=2" in line and "s3r_logs=2" in line, line
         assert "wrapped=DistributedDataParallel" in line, line
+
+
+def test_sharded_models_get_a_clear_error():
+    from types import SimpleNamespace
+
+    from trl_integration.trainer import check_sharding_supported
+
+    check_sharding_supported(SimpleNamespace(is_deepspeed_enabled=False, is_fsdp_enabled=False))
+    with pytest.raises(NotImplementedError, match="DeepSpeed"):
+        check_sharding_supported(SimpleNamespace(is_deepspeed_enabled=True, is_fsdp_enabled=False))
+    with pytest.raises(NotImplementedError, match="FSDP"):
+        check_sharding_supported(SimpleNamespace(is_deepspeed_enabled=False, is_fsdp_enabled=True))

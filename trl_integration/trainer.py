@@ -17,6 +17,16 @@ from s3r_hf.stats import S3RStats
 from s3r_hf.validation import check_model_supported
 
 
+def check_sharding_supported(trainer) -> None:
+    """S3R rollouts run on plain and DDP-wrapped models; sharded ones are refused until they are tested."""
+    for flag, name in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")):
+        if getattr(trainer, flag, False):
+            raise NotImplementedError(
+                f"S3R rollouts under {name} are not supported yet (only plain and DDP models are); set "
+                "use_s3r=False in S3RGRPOConfig to generate with TRL's own path"
+            )
+
+
 class _RolloutRecorder:
     """Routes one `model.generate` call through S3R and keeps what TRL's code path drops (stats, log-probs)."""
 
@@ -57,8 +67,8 @@ class S3RGRPOTrainer(GRPOTrainer):
     The policy drafts with sparse attention over its own KV cache and verifies densely, so response groups are
     distributed exactly as TRL's own sampling would produce them; the dense log-probability of every sampled
     token is returned to TRL with the completions. Nothing else changes: TRL's own `_generate_single_turn`
-    builds the batch, unwraps the model (plain, DDP; DeepSpeed ZeRO-3 and FSDP through TRL's gather helpers)
-    and post-processes the completions; only the model's `generate` call is routed through S3R. All request
+    builds the batch, unwraps the model and post-processes the completions; only the model's `generate` call
+    is routed through S3R. Plain and DDP-wrapped models are supported; DeepSpeed and FSDP get a clear error. All request
     and KV state lives inside that call and is released when it returns, before the optimizer step.
 
     Use with `S3RGRPOConfig`; a plain `GRPOConfig` (or `use_s3r=False`) runs TRL's own generation.
@@ -69,6 +79,7 @@ class S3RGRPOTrainer(GRPOTrainer):
         resolve = getattr(self.args, "resolved_s3r_config", None)
         self.s3r_config = resolve() if resolve is not None and self.args.use_s3r else None
         if self.s3r_config is not None:
+            check_sharding_supported(self)
             check_model_supported(self.accelerator.unwrap_model(self.model))
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
