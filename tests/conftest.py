@@ -76,6 +76,14 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def word_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """A tiny random Llama over the `tiny_tokenizer` vocabulary, with its EOS."""
+    torch.manual_seed(seed)
+    config = {**TINY, "vocab_size": len(WORDS), "max_position_embeddings": 128, "eos_token_id": WORDS.index("<eos>"),
+              "bos_token_id": None, "pad_token_id": None}
+    return LlamaForCausalLM(LlamaConfig(**{**config, **overrides})).eval()
+
+
 @pytest.fixture(params=["qwen3", "llama"])
 def model_kind(request) -> str:
     return request.param

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 import s3r_hf.models as s3r_models
 from s3r_hf.cli import build_parser, main
 from s3r_hf.demo import build_batch, generated_lengths, load_demo_prompts
 from s3r_hf.models import DEFAULT_MODEL, load_model_and_tokenizer, verify_sha256
-from tests.conftest import WORDS, tiny_tokenizer
+from tests.conftest import tiny_tokenizer, word_model
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -26,20 +26,7 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(WORDS),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        eos_token_id=WORDS.index("<eos>"),
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    return LlamaForCausalLM(config)
+    return word_model()
 
 
 @pytest.fixture

@@ -10,22 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
-from tests.conftest import WORDS, tiny_tokenizer
+from tests.conftest import WORDS, tiny_tokenizer, word_model
 from trl_integration import S3RGRPOConfig, S3RGRPOTrainer
 
 PROMPTS = ["how many eggs ?", "how many books and eggs ?", "the dollars of 3 books ?", "how many is 4 and 5 ?"]
 
 
 def tiny_policy(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(WORDS), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, eos_token_id=WORDS.index("<eos>"),
-        bos_token_id=None, pad_token_id=WORDS.index("<eos>"),
-    )
-    return LlamaForCausalLM(config).eval()
+    return word_model(seed, pad_token_id=WORDS.index("<eos>"))
 
 
 def count_reward(completions, **kwargs) -> list[float]:
