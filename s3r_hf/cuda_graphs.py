@@ -75,12 +75,16 @@ class DecodeGraphs:
         segments = num_tokens if kind != "verify" else plan.dense.cu_seqlens.shape[0] - 1
         return kind is not None and segments <= BUCKETS[-1]
 
-    def run(self, input_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        """Logits `[n, V]` of the step, from a replayed graph (captured on first use of its bucket)."""
+    def run(self, input_ids: torch.Tensor, plan: StepPlan, bucket_floor: int = 0) -> torch.Tensor:
+        """Logits `[n, V]` of the step, from a replayed graph (captured on first use of its bucket).
+
+        `bucket_floor` replays a bucket at least that large: late draft passes of a round, with fewer requests,
+        reuse the round's graph (padding rows are cheap) instead of capturing one per smaller size.
+        """
         kind = self.kind(plan, self.draft_len)
         count = input_ids.shape[0]
         segments = count if kind != "verify" else plan.dense.cu_seqlens.shape[0] - 1
-        bucket = next(b for b in BUCKETS if b >= segments)
+        bucket = next(b for b in BUCKETS if b >= min(max(segments, bucket_floor), BUCKETS[-1]))
         key = (kind, bucket, self.cache.index_views.capacity if kind == "sparse" else 0)
         step = self.steps.get(key)
         if step is None:

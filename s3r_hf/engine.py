@@ -200,14 +200,16 @@ class S3REngine:
         return max(0, self.cache.pages_for(request.committed + self._draft_count(request) + 1) - held)
 
     # ================================================================ forward
-    def _forward(self, input_ids: torch.Tensor, plan: StepPlan, keep: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(
+        self, input_ids: torch.Tensor, plan: StepPlan, keep: torch.Tensor | None = None, bucket_floor: int = 0
+    ) -> torch.Tensor:
         """One packed forward of `input_ids` `[N]`; float logits of the kept rows (all rows when `keep` is None).
 
-        Single-token steps replay a CUDA graph when `S3RConfig.cuda_graphs` is on.
+        Decode steps replay a CUDA graph when `S3RConfig.cuda_graphs` is on (`bucket_floor`: see `DecodeGraphs`).
         """
         input_ids = input_ids.to(self.device)
         if self.graphs is not None and keep is None and self.graphs.supports(plan, input_ids.shape[0]):
-            return self.graphs.run(input_ids, plan)
+            return self.graphs.run(input_ids, plan, bucket_floor=bucket_floor)
         return self._model_logits(input_ids[None], plan, keep).float()
 
     def _model_logits(self, ids: torch.Tensor, plan: StepPlan, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -325,10 +327,13 @@ class S3REngine:
         vocab = self.model.get_output_embeddings().weight.shape[0]
         draft_tokens = torch.zeros(len(requests), max(max_drafts, 1), dtype=torch.long, device=self.device)
         draft_scores = torch.zeros(len(requests), max(max_drafts, 1), vocab, device=self.device)
+        # Pages for the whole round were reserved before it: one block table serves every forward of the round.
+        tables = self.cache.block_tables([r.slot for r in requests])
         for step in range(max_drafts):
             rows = [i for i, k in enumerate(draft_counts) if k > step]
-            self.draft_pass(step, [requests[i] for i in rows], rows, draft_tokens, draft_scores)
-        plan, logits, block_starts, target_scores = self._verify(requests, draft_counts, draft_tokens)
+            self.draft_pass(step, [requests[i] for i in rows], rows, draft_tokens, draft_scores,
+                            tables if len(rows) == len(requests) else tables[self._tensor(rows)], len(requests))
+        plan, logits, block_starts, target_scores = self._verify(requests, draft_counts, draft_tokens, tables)
         num_drafts = self._tensor(draft_counts)
         if self.mode == "unverified":
             num_accepted = (num_drafts - 1).clamp(min=0)
@@ -382,38 +387,54 @@ class S3REngine:
         next_tokens = sample_from_scores(target_scores[rows, num_accepted], True, None)
         return num_accepted, next_tokens
 
-    def draft_pass(self, step: int, requests: list[Request], rows: list[int], draft_tokens, draft_scores) -> None:
-        """Draft token `step + 1` for each request with sparse attention over its index view."""
+    def draft_pass(
+        self,
+        step: int,
+        requests: list[Request],
+        rows: list[int],
+        draft_tokens: torch.Tensor,
+        draft_scores: torch.Tensor,
+        block_tables: torch.Tensor | None = None,
+        round_size: int = 0,
+    ) -> None:
+        """Draft token `step + 1` for each request with sparse attention over its index view.
+
+        `block_tables` (rows of `requests`) may come from the round; `round_size` keeps late passes, which have
+        fewer requests, in the round's CUDA-graph bucket instead of capturing smaller ones.
+        """
         write, positions = [], []
         for request in requests:
             position = request.committed + step
             write += self.cache.flat_indices(request.slot, [position])
             positions.append(position)
         index = self._tensor(rows)
+        if block_tables is None:
+            block_tables = self.cache.block_tables([r.slot for r in requests])
         # Input tokens stay on the device: the pending token, then the previous pass's drafts.
         tokens = self._tensor([r.pending for r in requests]) if step == 0 else draft_tokens[index, step - 1]
         sparse = SparseQueries(
             query_index=None,
             slots=self._tensor([r.slot for r in requests]),
-            block_tables=self.cache.block_tables([r.slot for r in requests]),
+            block_tables=block_tables,
             tail_starts=self._int32([r.committed for r in requests]),
             positions=self._int32(positions),
             view_width=max(r.view_len for r in requests),
             max_keys=max(r.view_len for r in requests) + step + 1,
         )
         plan = StepPlan(write_index=self._tensor(write), position_ids=self._tensor(positions)[None], sparse=sparse)
-        logits = self._forward(tokens, plan)
-        histories = [r.tokens[: r.length + step] for r in requests]
+        logits = self._forward(tokens, plan, bucket_floor=round_size)
+        history_free = self.sampling.logits_processor.history_free
+        histories = [] if history_free else [r.tokens[: r.length + step] for r in requests]
         scores = self.sampling.logits_processor([r.row for r in requests], histories, logits)
         drafts = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator)
         draft_tokens[index, step] = drafts
         draft_scores[index, step] = scores
-        if not self.sampling.logits_processor.history_free:
+        if not history_free:
             # Provisional: logits processors of later positions must see the drafted prefix.
             for request, token in zip(requests, drafts.tolist()):
                 request.tokens[request.length + step] = token
 
-    def _verify(self, requests: list[Request], draft_counts: list[int], draft_tokens: torch.Tensor):
+    def _verify(self, requests: list[Request], draft_counts: list[int], draft_tokens: torch.Tensor, tables):
         """Dense forward over `[pending, d_1..d_k]` of every request; overwrites the drafts' provisional K/V."""
         write, positions, cu, history, block_rows, block_offsets = [], [], [0], [], [], []
         for row, (request, count) in enumerate(zip(requests, draft_counts)):
@@ -432,7 +453,7 @@ class S3REngine:
             query_index=None,
             cu_seqlens=self._int32(cu),
             positions=self._int32(positions),
-            block_tables=self.cache.block_tables([r.slot for r in requests]),
+            block_tables=tables,
             score_starts=None if self.mode == "ar" else self._int32([0] * len(requests)),
             history_lens=self._tensor(history),
             num_candidates=num_candidates,
