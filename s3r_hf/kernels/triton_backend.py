@@ -322,21 +322,52 @@ def paged_dense_attention(
     return out, lse, _reduce_scores(logits, lse, cu_seqlens, score_starts, scored_queries, group)
 
 
+@triton.jit
+def _reduce_scores_kernel(
+    logit_ptr, lse_ptr, cu_ptr, start_ptr, count_ptr, out_ptr,
+    stride_gs, stride_gh, stride_gr,
+    stride_ln,
+    stride_os, stride_oh,
+    length,
+    GROUP: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    segment = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    keys = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
+    key_ok = keys < length
+    first_query = tl.load(cu_ptr + segment) + tl.maximum(tl.load(start_ptr + segment), 0)
+    rows = tl.load(count_ptr + segment) * GROUP
+    acc = tl.zeros([BLOCK_L], tl.float32)
+    for row in range(0, rows):
+        query = first_query + row // GROUP
+        row_lse = tl.load(lse_ptr + query * stride_ln + kv_head * GROUP + row % GROUP)
+        logits = tl.load(
+            logit_ptr + segment * stride_gs + kv_head * stride_gh + row * stride_gr + keys,
+            mask=key_ok, other=float("-inf"),
+        )
+        acc += tl.exp(logits - row_lse)
+    tl.store(out_ptr + segment * stride_os + kv_head * stride_oh + keys, acc / tl.maximum(rows, 1), mask=key_ok)
+
+
 def _reduce_scores(logits, lse, cu_seqlens, score_starts, scored_queries, group) -> torch.Tensor:
-    """Mean softmax weight per key position from the scored rows' logits and their saved LSE."""
-    num_segments, num_kv_heads, max_rows, _ = logits.shape
-    row = torch.arange(max_rows, device=logits.device)
-    query_offset = row // group  # scored query index inside the segment's scored block
-    head_in_group = row % group
-    query = cu_seqlens[:-1].long()[:, None] + score_starts.long().clamp(min=0)[:, None] + query_offset[None, :]
-    row_ok = query_offset[None, :] < scored_queries[:, None]  # [S, R]
-    query = torch.where(row_ok, query, torch.zeros_like(query))
-    heads = torch.arange(num_kv_heads, device=logits.device)[:, None] * group + head_in_group[None, :]  # [Hkv, R]
-    row_lse = lse[query[:, None, :], heads[None, :, :]]  # [S, Hkv, R]
-    weights = torch.exp(logits - row_lse[..., None])
-    weights = weights.masked_fill(~row_ok[:, None, :, None], 0.0)
-    counts = (scored_queries * group).clamp(min=1).to(torch.float32)
-    return weights.sum(dim=2) / counts[:, None, None]
+    """Mean softmax weight per key position from the scored rows' logits and their saved LSE.
+
+    One pass over the logit scratch (a few rows per segment), never over K: each program owns a block of key
+    positions of one (segment, KV head) and sums `exp(logit - lse)` over the scored (query, head) rows.
+    """
+    num_segments, num_kv_heads, _, length = logits.shape
+    scores = torch.empty(num_segments, num_kv_heads, length, dtype=torch.float32, device=logits.device)
+    block = 256
+    _reduce_scores_kernel[(num_segments, num_kv_heads, triton.cdiv(length, block))](
+        logits, lse, cu_seqlens.to(torch.int32).contiguous(), score_starts.to(torch.int32).contiguous(),
+        scored_queries.to(torch.int32).contiguous(), scores,
+        logits.stride(0), logits.stride(1), logits.stride(2),
+        lse.stride(0),
+        scores.stride(0), scores.stride(1),
+        length,
+        GROUP=group, BLOCK_L=block,
+    )
+    return scores
 
 
 def select_topk_candidates(scores: torch.Tensor, history_lens: torch.Tensor, num_candidates: int) -> torch.Tensor:
