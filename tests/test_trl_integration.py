@@ -12,6 +12,7 @@ import torch
 from datasets import Dataset
 from transformers import LlamaForCausalLM
 
+import s3r_hf
 from tests.conftest import WORDS, tiny_tokenizer, word_model
 from trl_integration import S3RGRPOConfig, S3RGRPOTrainer
 
@@ -46,6 +47,7 @@ def make_trainer(tmp_path, seed: int = 0, **overrides) -> S3RGRPOTrainer:
 
 def test_two_grpo_steps_with_s3r_rollouts_log_s3r_metrics(tmp_path):
     trainer = make_trainer(tmp_path)
+    s3r_hf.enable(trainer.model)  # an enabled model routes the same way
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "s3r/acceptance_rate" in entry]

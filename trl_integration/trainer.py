@@ -41,7 +41,8 @@ class _RolloutRecorder:
         """Within the block, `model.generate(...)` runs S3R and returns the sequences tensor, as TRL expects."""
         had_own = "generate" in model.__dict__
         previous = model.__dict__.get("generate")
-        original = model.generate
+        # The class's own `generate`, so a model already passed through `s3r_hf.enable` routes the same way.
+        original = type(model).generate.__get__(model, type(model))
 
         def generate(*args, **kwargs):
             started = time.perf_counter()
