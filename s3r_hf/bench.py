@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 from transformers.utils import logging
 
+from s3r_hf.bench_kernels import copy_bandwidth
 from s3r_hf.config import S3RConfig
 from s3r_hf.generate import enable
 
@@ -73,20 +74,6 @@ def floor_ms(model: PreTrainedModel, batch: int, context: int, bandwidth: float)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * model.dtype.itemsize
     return (weights + batch * context * kv_per_token) / bandwidth * 1e3
-
-
-def copy_bandwidth(device: str) -> float:
-    if not device.startswith("cuda"):
-        return float("nan")
-    src = torch.empty(2**30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (time.perf_counter() - start)
 
 
 def _sync(device: str) -> None:
@@ -240,7 +227,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def bench_from_args(args: argparse.Namespace) -> list[dict]:
     args.budget = [float(v) for v in args.budget.split(",")]
     dtype = getattr(torch, args.dtype)
-    bandwidth = copy_bandwidth(args.device)
+    bandwidth = copy_bandwidth() if args.device.startswith("cuda") else float("nan")
     points = []
     for name in args.model or ["smollm2-135m-instruct"]:
         model, tokenizer = build_model(name, dtype, args.device)

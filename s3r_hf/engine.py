@@ -100,7 +100,7 @@ class S3REngine:
         for request in requests:
             self._check_fits_alone(request)
         if self.config.cuda_graphs and self.device.type == "cuda" and requests:
-            longest = max(r.prompt_len + r.max_new_tokens + self.config.draft_len + 1 for r in requests)
+            longest = max(r.peak_kv_tokens(self.config.draft_len) for r in requests)
             max_pages = self.cache.pages_for(longest)
             self.graphs = DecodeGraphs(self.cache, self._model_logits, max_pages, self.config.draft_len,
                                        self.config.budget(max_pages * self.cache.page_size))
@@ -139,7 +139,7 @@ class S3REngine:
         return self.cache.pages_for(request.kv_tokens + self.config.draft_len + 1)
 
     def _check_fits_alone(self, request: Request) -> None:
-        longest = request.prompt_len + request.max_new_tokens + self.config.draft_len + 1
+        longest = request.peak_kv_tokens(self.config.draft_len)
         if self.cache.pages_for(longest) > self.cache.num_pages:
             raise KVCapacityError(
                 f"KV capacity too small for one request: a prompt of {request.prompt_len} tokens with "

@@ -140,10 +140,7 @@ def generate(
 
 def _pages_for_all(requests: list[Request], config: S3RConfig) -> int:
     """A pool that holds every request at full length (the default when `num_pages` is not set)."""
-    per_request = (
-        -(-(r.prompt_len + r.max_new_tokens + config.draft_len + 1) // config.page_size) for r in requests
-    )
-    return max(1, sum(per_request))
+    return max(1, sum(-(-r.peak_kv_tokens(config.draft_len) // config.page_size) for r in requests))
 
 
 def _assemble(input_ids, requests, generation_config, stats, config) -> S3RGenerateOutput | torch.LongTensor:

@@ -57,6 +57,10 @@ class Request:
     def remaining(self) -> int:
         return self.max_new_tokens - len(self.generated)
 
+    def peak_kv_tokens(self, draft_len: int) -> int:
+        """Most K/V positions the request can ever hold: prompt, every new token, one round's drafts."""
+        return self.prompt_len + self.max_new_tokens + draft_len + 1
+
     @property
     def kv_tokens(self) -> int:
         """Tokens of K/V this request keeps (prompt while prefilling, committed context after)."""
