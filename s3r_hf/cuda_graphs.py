@@ -6,7 +6,13 @@ requests, so each (kind, batch bucket) is captured once and replayed: the step's
 graph's static buffers, padding rows write their K/V to the cache's scratch page and read the padding
 index-view row (length 0), and the kernels run on a fixed grid. A verify step holds up to `draft_len + 1`
 tokens per request; its unused token slots form one extra padding segment, and its verify-score scratch is
-sized for the longest context of the call.
+sized for the longest context of the call. The draft phase of a round (all its draft passes, sampling included,
+see `draft_phase.py`) is one graph.
+
+Buckets: a step replays the smallest bucket already captured that holds its rows, unless that bucket is more
+than `REUSE_FACTOR` times the bucket the rows would need (then the smaller one is captured). Padding rows cost
+little next to the weights every step reads, and each capture costs a warm-up run and a capture, so a batch
+that shrinks as requests finish captures about two buckets per kind instead of one per size.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from s3r_hf.cache.s3r_cache import S3RCache
+from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase, draw_noise
 from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+REUSE_FACTOR = 4
 
 
 @dataclass
@@ -29,6 +37,13 @@ class _CapturedStep:
     plan: StepPlan
     input_ids: torch.Tensor  # [1, B]
     logits: torch.Tensor | None = None  # [B, V], the graph's output
+
+
+@dataclass
+class _CapturedDraftPhase:
+    graph: torch.cuda.CUDAGraph | None
+    inputs: DraftInputs  # static, `bucket` rows
+    outputs: DraftOutputs | None = None
 
 
 class DecodeGraphs:
@@ -49,7 +64,7 @@ class DecodeGraphs:
         self.max_pages = max_pages
         self.max_context = max_pages * cache.page_size
         self.draft_len = draft_len
-        self.steps: dict[tuple, _CapturedStep] = {}
+        self.steps: dict[tuple, _CapturedStep | _CapturedDraftPhase] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.replays = 0
         self.captures = 0
@@ -75,6 +90,10 @@ class DecodeGraphs:
         segments = num_tokens if kind != "verify" else plan.dense.cu_seqlens.shape[0] - 1
         return kind is not None and segments <= BUCKETS[-1]
 
+    @staticmethod
+    def supports_draft_phase(rows: int) -> bool:
+        return rows <= BUCKETS[-1]
+
     def run(self, input_ids: torch.Tensor, plan: StepPlan, bucket_floor: int = 0) -> torch.Tensor:
         """Logits `[n, V]` of the step, from a replayed graph (captured on first use of its bucket).
 
@@ -84,14 +103,14 @@ class DecodeGraphs:
         kind = self.kind(plan, self.draft_len)
         count = input_ids.shape[0]
         segments = count if kind != "verify" else plan.dense.cu_seqlens.shape[0] - 1
-        bucket = next(b for b in BUCKETS if b >= min(max(segments, bucket_floor), BUCKETS[-1]))
-        key = (kind, bucket, self.cache.index_views.capacity if kind == "sparse" else 0)
+        capacity = self.cache.index_views.capacity if kind == "sparse" else 0
+        key = self._key(kind, max(segments, bucket_floor), capacity)
         step = self.steps.get(key)
         if step is None:
             self._drop_stale(kind, key)
-            step = self._static_step(kind, bucket)
+            step = self._static_step(kind, key[1])
             self._fill(step, input_ids, plan, count)
-            self._capture(step)
+            step.graph, step.logits = self._capture(lambda: self.forward(step.input_ids, step.plan))
             self.steps[key] = step
         else:
             self._fill(step, input_ids, plan, count)
@@ -102,10 +121,65 @@ class DecodeGraphs:
         # A copy: the graph's output buffer is overwritten by the next replay.
         return step.logits[:count].to(torch.float32, copy=True)
 
+    def run_draft_phase(
+        self, phase: DraftPhase, inputs: DraftInputs, generator: torch.Generator | None
+    ) -> DraftOutputs:
+        """The round's draft passes from one replayed graph; `inputs.noise` is ignored (drawn here, in place).
+
+        The outputs are views of the graph's buffers, valid until the next draft phase of this bucket.
+        """
+        count = inputs.pending.shape[0]
+        capacity = self.cache.index_views.capacity
+        key = self._key("draft", count, capacity)
+        captured = self.steps.get(key)
+        fresh = captured is None
+        if fresh:
+            self._drop_stale("draft", key)
+            captured = _CapturedDraftPhase(graph=None, inputs=self._static_draft_inputs(key[1], phase))
+        self._fill_draft_inputs(captured.inputs, inputs, count)
+        if captured.inputs.noise is not None:
+            draw_noise(captured.inputs.noise, generator)
+        if fresh:
+            static = captured.inputs
+            captured.graph, captured.outputs = self._capture(lambda: phase(static, capacity, num_splits=1))
+            self.steps[key] = captured
+        captured.graph.replay()
+        self.replays += 1
+        return DraftOutputs(tokens=captured.outputs.tokens[:count], scores=captured.outputs.scores[:count])
+
+    def _key(self, kind: str, rows: int, capacity: int) -> tuple:
+        """The bucket to replay for `rows` rows: a captured one up to `REUSE_FACTOR` times too large, else the
+        smallest that fits."""
+        rows = min(rows, BUCKETS[-1])
+        ideal = next(b for b in BUCKETS if b >= rows)
+        captured = sorted(k[1] for k in self.steps if k[0] == kind and k[2] == capacity and k[1] >= rows)
+        bucket = captured[0] if captured and captured[0] <= REUSE_FACTOR * ideal else ideal
+        return (kind, bucket, capacity)
+
     def _drop_stale(self, kind: str, key: tuple) -> None:
         """Index views grew (a new tensor): graphs that read the old one must not run again."""
-        for old in [k for k in self.steps if k[0] == kind and k[1] == key[1] and k != key]:
+        for old in [k for k in self.steps if k[0] == kind and k[2] != key[2]]:
             del self.steps[old]
+
+    def _static_draft_inputs(self, bucket: int, phase: DraftPhase) -> DraftInputs:
+        device = self.cache.device
+        long = dict(dtype=torch.long, device=device)
+        noise = phase.noise_buffer(bucket, device)
+        return DraftInputs(
+            pending=torch.zeros(bucket, **long), committed=torch.zeros(bucket, **long),
+            num_drafts=torch.zeros(bucket, **long), slots=torch.full((bucket,), self.cache.padding_slot, **long),
+            block_tables=torch.zeros(bucket, self.max_pages, dtype=torch.int32, device=device), noise=noise,
+        )
+
+    def _fill_draft_inputs(self, static: DraftInputs, inputs: DraftInputs, count: int) -> None:
+        """Rows past `count` become padding: no drafts (writes go to scratch), the padding slot's empty views."""
+        for name in ("pending", "committed", "num_drafts", "slots"):
+            getattr(static, name)[:count].copy_(getattr(inputs, name))
+        static.num_drafts[count:].zero_()
+        static.committed[count:].zero_()
+        static.slots[count:].fill_(self.cache.padding_slot)
+        static.block_tables.zero_()
+        static.block_tables[:count, : inputs.block_tables.shape[1]].copy_(inputs.block_tables)
 
     def _static_step(self, kind: str, bucket: int) -> _CapturedStep:
         device = self.cache.device
@@ -171,21 +245,23 @@ class DecodeGraphs:
             target.tail_starts[:count].copy_(source.tail_starts)
             target.tail_starts[count:].zero_()
 
-    def _capture(self, step: _CapturedStep) -> None:
-        # Warm up on a side stream (Triton compiles, allocator settles), then capture. The warm-up forwards
-        # write the same K/V the replay will write, so they change nothing.
+    def _capture(self, program: Callable):
+        """Capture `program()` (after one warm-up run) and return `(graph, its outputs)`.
+
+        The warm-up runs on a side stream (Triton compiles, the allocator settles) with the same inputs the
+        replay will see, so the K/V it writes are the ones the replay writes again.
+        """
         torch.cuda.synchronize()
         started = time.perf_counter()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.forward(step.input_ids, step.plan)
+            program()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            step.logits = self.forward(step.input_ids, step.plan)
-        step.graph = graph
+            outputs = program()
         torch.cuda.synchronize()
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started
+        return graph, outputs

@@ -20,6 +20,7 @@ from s3r_hf.cache.page_allocator import KVCapacityError
 from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.config import S3RConfig
 from s3r_hf.cuda_graphs import DecodeGraphs
+from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase, draw_noise
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.request import Request, RequestStatus
 from s3r_hf.sampler import sample_from_scores, speculative_accept
@@ -93,6 +94,15 @@ class S3REngine:
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self._supports_logits_to_keep = "logits_to_keep" in parameters
         self.graphs: DecodeGraphs | None = None
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        # The round's draft passes run as one device-side program unless a logits processor reads the history
+        # (then each pass goes back to the host, which writes the provisional drafts into the histories).
+        self.draft_phase: DraftPhase | None = None
+        if mode != "ar" and sampling.logits_processor.history_free:
+            self.draft_phase = DraftPhase(
+                self._model_logits, sampling.logits_processor, config.draft_len, cache.page_size,
+                cache.scratch_page * cache.page_size, sampling.greedy, self.vocab_size,
+            )
 
     # ================================================================ scheduling
     def run(self, requests: list[Request]) -> S3RStats:
@@ -102,8 +112,10 @@ class S3REngine:
         if self.config.cuda_graphs and self.device.type == "cuda" and requests:
             longest = max(r.peak_kv_tokens(self.config.draft_len) for r in requests)
             max_pages = self.cache.pages_for(longest)
-            self.graphs = DecodeGraphs(self.cache, self._model_logits, max_pages, self.config.draft_len,
-                                       self.config.budget(max_pages * self.cache.page_size))
+            max_view = self.config.budget(max_pages * self.cache.page_size)
+            self.graphs = DecodeGraphs(self.cache, self._model_logits, max_pages, self.config.draft_len, max_view)
+            # Index views at their largest from the start: growing them would invalidate the draft graphs.
+            self.cache.index_views.ensure_capacity(max_view)
         waiting = deque(requests)
         running: list[Request] = []
         paused: deque[Request] = deque()
@@ -256,7 +268,7 @@ class S3REngine:
         for row, request in enumerate(finished):
             request.committed = request.prompt_len
             logprob = logprobs[row] if logprobs is not None else None
-            self._commit(request, first_tokens[row], scores[row], logits[row], logprob)
+            self._commit(request, first_tokens[row], scores, logits, row, logprob)
         self.refresh_views(plan, finals, finished, [r.prompt_len for r in finished])
 
     def prefill_forward(self, requests: list[Request]):
@@ -324,15 +336,18 @@ class S3REngine:
             return
         draft_counts = [self._draft_count(r) for r in requests]
         max_drafts = max(draft_counts, default=0)
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        draft_tokens = torch.zeros(len(requests), max(max_drafts, 1), dtype=torch.long, device=self.device)
-        draft_scores = torch.zeros(len(requests), max(max_drafts, 1), vocab, device=self.device)
         # Pages for the whole round were reserved before it: one block table serves every forward of the round.
         tables = self.cache.block_tables([r.slot for r in requests])
-        for step in range(max_drafts):
-            rows = [i for i, k in enumerate(draft_counts) if k > step]
-            self.draft_pass(step, [requests[i] for i in rows], rows, draft_tokens, draft_scores,
-                            tables if len(rows) == len(requests) else tables[self._tensor(rows)], len(requests))
+        if max_drafts > 0 and self.draft_phase is not None:
+            drafts = self._run_draft_phase(requests, draft_counts, tables, max_drafts)
+            draft_tokens, draft_scores = drafts.tokens, drafts.scores
+        else:
+            draft_tokens = torch.zeros(len(requests), max(max_drafts, 1), dtype=torch.long, device=self.device)
+            draft_scores = torch.zeros(len(requests), max(max_drafts, 1), self.vocab_size, device=self.device)
+            for step in range(max_drafts):
+                rows = [i for i, k in enumerate(draft_counts) if k > step]
+                self.draft_pass(step, [requests[i] for i in rows], rows, draft_tokens, draft_scores,
+                                tables if len(rows) == len(requests) else tables[self._tensor(rows)], len(requests))
         plan, logits, block_starts, target_scores = self._verify(requests, draft_counts, draft_tokens, tables)
         num_drafts = self._tensor(draft_counts)
         if self.mode == "unverified":
@@ -347,9 +362,11 @@ class S3REngine:
             )
             num_accepted, next_tokens = result.num_accepted, result.next_tokens
         # The accept decision is the one device-to-host read a round needs (plus log-probs when asked for).
-        accepted_list = num_accepted.tolist()
-        next_list = next_tokens.tolist()
-        draft_list = draft_tokens.tolist()
+        decision = torch.cat([num_accepted[:, None], next_tokens[:, None], draft_tokens[:, :max_drafts]], dim=1)
+        decision = decision.tolist()
+        accepted_list = [row[0] for row in decision]
+        next_list = [row[1] for row in decision]
+        draft_list = [row[2:] for row in decision]
         # Token committed at each block offset: the accepted drafts, then the correction/bonus token.
         spare = torch.zeros(len(requests), 1, dtype=torch.long, device=self.device)
         proposed = torch.cat([draft_tokens, spare], dim=1)[:, : target_scores.shape[1]]
@@ -363,8 +380,8 @@ class S3REngine:
             for offset, token in enumerate(proposals):
                 count += 1
                 logprob = logprobs[row][offset] if logprobs is not None else None
-                raw = logits[block_starts[row] + offset]
-                if self._commit(request, token, target_scores[row, offset], raw, logprob):
+                if self._commit(request, token, target_scores[row], logits, block_starts[row] + offset, logprob,
+                                offset):
                     break
             committed_counts.append(count)
             # K/V of the pending token and the accepted drafts are now dense and valid; the rest is discarded.
@@ -376,6 +393,21 @@ class S3REngine:
             return  # dense decoding never drafts, so it keeps no index views
         alive = [i for i, r in enumerate(requests) if r.status is not RequestStatus.FINISHED]
         self.refresh_views(plan, alive, [requests[i] for i in alive], [requests[i].committed for i in alive])
+
+    def _run_draft_phase(
+        self, requests: list[Request], draft_counts: list[int], tables: torch.Tensor, max_drafts: int
+    ) -> DraftOutputs:
+        """Every draft pass of the round on the device: one graph replay, or the same program run eagerly."""
+        metadata = self._tensor([
+            [r.pending for r in requests], [r.committed for r in requests], draft_counts, [r.slot for r in requests]
+        ])
+        pending, committed, num_drafts, slots = metadata.unbind(0)
+        inputs = DraftInputs(pending, committed, num_drafts, slots, tables, noise=None)
+        if self.graphs is not None and self.graphs.supports_draft_phase(len(requests)):
+            return self.graphs.run_draft_phase(self.draft_phase, inputs, self.sampling.generator)
+        noise = self.draft_phase.noise_buffer(len(requests), self.device)
+        inputs.noise = None if noise is None else draw_noise(noise, self.sampling.generator)
+        return self.draft_phase(inputs, max(r.view_len for r in requests), passes=max_drafts)
 
     def _forced_accept(self, draft_tokens, target_scores, num_drafts):
         """Benchmark-only acceptance pattern (NOT exact): each draft passes with probability `forced_acceptance`."""
@@ -463,10 +495,12 @@ class S3REngine:
         )
         plan = StepPlan(write_index=self._tensor(write), position_ids=self._tensor(positions)[None], dense=dense)
         logits = self._forward(tokens, plan)
-        histories = [
-            r.tokens[: r.length + offset] for r, count in zip(requests, draft_counts) for offset in range(count + 1)
-        ]
-        rows = [r.row for r, count in zip(requests, draft_counts) for _ in range(count + 1)]
+        rows, histories = [], []
+        if not self.sampling.logits_processor.history_free:
+            histories = [
+                r.tokens[: r.length + offset] for r, count in zip(requests, draft_counts) for offset in range(count + 1)
+            ]
+            rows = [r.row for r, count in zip(requests, draft_counts) for _ in range(count + 1)]
         flat_scores = self.sampling.logits_processor(rows, histories, logits)
         width = max(draft_counts) + 1
         target_scores = torch.zeros(len(requests), width, flat_scores.shape[-1], device=self.device)
@@ -482,21 +516,36 @@ class S3REngine:
         return log_probs.gather(-1, tokens.to(scores.device)[..., None]).squeeze(-1).tolist()
 
     def _commit(
-        self, request: Request, token: int, scores: torch.Tensor, logits: torch.Tensor, logprob: float | None
+        self,
+        request: Request,
+        token: int,
+        scores: torch.Tensor,
+        logits: torch.Tensor,
+        logits_row: int,
+        logprob: float | None,
+        scores_row: int | None = None,
     ) -> bool:
-        """Append one generated token; returns True when the request stops on it."""
+        """Append one generated token; returns True when the request stops on it.
+
+        The token's processed scores are `scores[scores_row]` (`scores[logits_row]` when None) and its raw logits
+        `logits[logits_row]`; they are indexed only when an output or a stopping criterion reads them, since a
+        tensor index per committed token is host time the round otherwise does not spend.
+        """
         request.append(token)
         request.pending = token
+        token_scores = None
+        if self.sampling.output_scores or len(self.sampling.stopping_criteria) > 0:
+            token_scores = scores[logits_row if scores_row is None else scores_row]
         if self.sampling.output_scores:
-            request.scores.append(scores.detach().clone())
+            request.scores.append(token_scores.detach().clone())
         if self.sampling.output_logits:
-            request.raw_logits.append(logits.detach().clone())
+            request.raw_logits.append(logits[logits_row].detach().clone())
         if logprob is not None:
             request.logprobs.append(logprob)
         stop = token in self.sampling.eos_token_ids or request.remaining <= 0
         if not stop and len(self.sampling.stopping_criteria) > 0:
-            history = request.history[None].to(scores.device)
-            stop = bool(self.sampling.stopping_criteria(history, scores[None]).any())
+            history = request.history[None].to(token_scores.device)
+            stop = bool(self.sampling.stopping_criteria(history, token_scores[None]).any())
         if stop:
             request.status = RequestStatus.FINISHED
         return stop

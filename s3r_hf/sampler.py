@@ -23,6 +23,17 @@ def sample_from_scores(scores: torch.Tensor, greedy: bool, generator: torch.Gene
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def sample_with_noise(scores: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """One draw per row from `softmax(scores)` `[R, V]`, given i.i.d. Exp(1) `noise` `[R, V]` (the exponential race).
+
+    `argmax_v p_v / E_v` is distributed as `p` (the `v` with the smallest `E_v / p_v`, the first arrival of
+    independent exponential clocks of rates `p_v`, is `v` with probability `p_v`). Drawing the noise ahead lets a
+    captured CUDA graph sample without a random generator of its own; tokens with `p_v = 0` never win.
+    """
+    probs = torch.softmax(scores.float(), dim=-1)
+    return (probs / noise).argmax(dim=-1)
+
+
 def speculative_accept(
     draft_tokens: torch.Tensor,
     draft_scores: torch.Tensor,

@@ -17,9 +17,16 @@ sparse rollout samples) must reject (p < 1e-6), so a bug that lets drafter bias 
 Fixed seeds make the outcome deterministic. Calibration (not run here): 12 seeds x 5,000 samples per case gave
 per-seed p-values spread over (0.01, 0.99) and pooled 60,000-sample p-values of 0.16-0.69, i.e. no bias
 visible at six times this test's sample size.
+
+On a GPU machine, `S3R_HF_TEST_DEVICE=cuda python -m pytest tests/test_exactness_sampling.py` samples on CUDA
+with the Triton kernels, eagerly and with CUDA graphs (the graphed draft phase samples from pre-drawn noise);
+the exact distribution is still enumerated on the CPU.
 """
 
 from __future__ import annotations
+
+import copy
+import os
 
 import pytest
 import torch
@@ -46,6 +53,9 @@ UNVERIFIED_SAMPLES = 2_500
 # Budget ~5% of the context, at least one position: 1–2 positions per (layer, KV head) for a ~25-token context.
 S3R = dict(draft_len=2, budget_ratio=0.05, min_budget=1, page_size=4)
 
+DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
+GRAPHS = [False, True] if DEVICE.type == "cuda" else [False]
+
 CASES = {
     "t1.0": dict(temperature=1.0, top_k=None, top_p=None),
     "t0.7-k5-p0.9": dict(temperature=0.7, top_k=5, top_p=0.9),
@@ -64,13 +74,16 @@ def single_thread():
 
 @pytest.fixture(scope="module")
 def setup():
+    """The model (on the CPU, where the exact distribution is enumerated), its copy on `DEVICE`, the prompt."""
     model = s3r_hf.enable(tiny_enumerable_model(VOCAB, seed=0, attention_gain=8.0, output_gain=8.0))
     prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(100))
-    return model, prompt
+    sampler = model if DEVICE.type == "cpu" else s3r_hf.enable(copy.deepcopy(model).to(DEVICE))
+    return model, sampler, prompt
 
 
-def _sample(model, prompt, sampling: dict, samples: int, seed: int, unverified: bool = False):
+def _sample(model, prompt, sampling: dict, samples: int, seed: int, unverified: bool = False, graphs: bool = False):
     """`samples` continuations drawn in chunks of `CHUNK` rows; returns (sequences, drafted, accepted, per-position)."""
+    prompt = prompt.to(model.device)
     sequences, drafted, accepted = [], 0, 0
     position_drafted, position_accepted = [0] * S3R["draft_len"], [0] * S3R["draft_len"]
     for chunk, start in enumerate(range(0, samples, CHUNK)):
@@ -82,11 +95,11 @@ def _sample(model, prompt, sampling: dict, samples: int, seed: int, unverified: 
             max_new_tokens=NEW_TOKENS,
             num_return_sequences=rows,
             return_dict_in_generate=True,
-            s3r_config=S3RConfig(**S3R, seed=seed + chunk),
+            s3r_config=S3RConfig(**S3R, seed=seed + chunk, cuda_graphs=graphs),
             s3r_mode="unverified" if unverified else "s3r",
             **sampling,
         )
-        sequences.append(out.sequences)
+        sequences.append(out.sequences.cpu())
         stats = out.s3r_stats
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
         for i, (d, a) in enumerate(zip(stats.position_drafted, stats.position_accepted)):
@@ -115,9 +128,10 @@ def _describe(results, counts, probs) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.parametrize("graphs", GRAPHS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_s3r_samples_follow_exact_dense_distribution(setup, case):
-    model, prompt = setup
+def test_s3r_samples_follow_exact_dense_distribution(setup, case, graphs):
+    model, sampler, prompt = setup
     sampling = CASES[case]
     probs, top_p_margin = exact_continuation_distribution(model, prompt, NEW_TOKENS, sampling_warpers(**sampling))
     assert abs(float(probs.sum()) - 1.0) < 1e-9
@@ -125,14 +139,15 @@ def test_s3r_samples_follow_exact_dense_distribution(setup, case):
     assert top_p_margin > 1e-5, f"a top-p cutoff is within {top_p_margin:.2g} of its threshold; change the seed"
 
     sequences, drafted, accepted, position_drafted, position_accepted = _sample(
-        model, prompt, sampling, S3R_SAMPLES, seed=1
+        sampler, prompt, sampling, S3R_SAMPLES, seed=1, graphs=graphs
     )
     assert sequences.shape == (S3R_SAMPLES, PROMPT_LEN + NEW_TOKENS)
     assert torch.equal(sequences[:, :PROMPT_LEN], prompt.expand(S3R_SAMPLES, -1))
     results, counts = _tests(sequences, probs)
     message = _describe(results, counts, probs)
     print(
-        f"\n[{case}] S3R acceptance {accepted}/{drafted} = {accepted / drafted:.3f}, per position "
+        f"\n[{case}, {DEVICE.type}, graphs={graphs}] S3R acceptance {accepted}/{drafted} = {accepted / drafted:.3f}, "
+        f"per position "
         f"{[f'{a}/{d}' for a, d in zip(position_accepted, position_drafted)]}\n{message}"
     )
     for name, result in results.items():
@@ -147,13 +162,14 @@ def test_s3r_samples_follow_exact_dense_distribution(setup, case):
         assert 0 < a < d, f"draft position {position}: {a} of {d} accepted"
 
 
+@pytest.mark.parametrize("graphs", GRAPHS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_unverified_sparse_drafts_are_rejected(setup, case):
+def test_unverified_sparse_drafts_are_rejected(setup, case, graphs):
     """Power check: the identical test must tell the sparse drafter's own distribution from the dense one."""
-    model, prompt = setup
+    model, sampler, prompt = setup
     sampling = CASES[case]
     probs, _ = exact_continuation_distribution(model, prompt, NEW_TOKENS, sampling_warpers(**sampling))
-    sequences, *_ = _sample(model, prompt, sampling, UNVERIFIED_SAMPLES, seed=1, unverified=True)
+    sequences, *_ = _sample(sampler, prompt, sampling, UNVERIFIED_SAMPLES, seed=1, unverified=True, graphs=graphs)
     results, counts = _tests(sequences, probs)
     # Power must not rest on top-k/top-p alone: the drafter also samples tokens the dense warpers remove, but the
     # test must reject even when those samples are dropped and only the shape over possible outcomes counts.

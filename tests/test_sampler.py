@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from scipy.stats import chisquare
 
-from s3r_hf.sampler import sample_from_scores, speculative_accept
+from s3r_hf.draft_phase import draw_noise
+from s3r_hf.sampler import sample_from_scores, sample_with_noise, speculative_accept
 
 VOCAB = 6
 
@@ -51,3 +52,21 @@ def test_sampled_mode_with_identical_distributions_accepts_everything():
     drafts = torch.stack([sample_from_scores(scores[:, i], False, generator) for i in range(3)], dim=1)
     result = speculative_accept(drafts, scores[:, :3], scores, torch.full((64,), 3), False, generator)
     assert result.num_accepted.tolist() == [3] * 64
+
+
+def test_exponential_race_samples_the_softmax():
+    # The draft phase samples with pre-drawn Exp(1) noise (a captured graph has no generator of its own); the
+    # draws must follow softmax(scores), and a token with probability 0 must never win.
+    generator = torch.Generator().manual_seed(1)
+    rows = 200_000
+    p = torch.tensor([0.05, 0.4, 0.0, 0.25, 0.2, 0.1])
+    noise = draw_noise(torch.empty(rows, VOCAB), generator)
+    tokens = sample_with_noise(p.log().expand(rows, VOCAB), noise)
+    counts = torch.bincount(tokens, minlength=VOCAB).double()
+    assert counts[2] == 0
+    support = p > 0
+    test = chisquare(counts[support].numpy(), (p[support] * rows).double().numpy())
+    assert test.pvalue > 1e-3, test
+    # Power: the same counts are far from a different distribution.
+    other = torch.tensor([0.1, 0.35, 0.25, 0.2, 0.1])
+    assert chisquare(counts[support].numpy(), (other * rows).double().numpy()).pvalue < 1e-6

@@ -28,7 +28,7 @@ class SparseIndexViews:
         self.positions = torch.zeros(num_layers, max_requests, num_kv_heads, 0, dtype=torch.int32, device=device)
         self.lengths = torch.zeros(max_requests, dtype=torch.int32, device=device)
 
-    def _ensure_capacity(self, capacity: int) -> None:
+    def ensure_capacity(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
         # Grow geometrically so refreshes at growing context lengths rarely reallocate.
@@ -68,7 +68,7 @@ class SparseIndexViews:
         top_len = budgets - recent_len  # [S]
         if width is None:
             width = int(budgets.max()) if budgets.numel() else 0
-        self._ensure_capacity(width)
+        self.ensure_capacity(width)
         num_candidates = candidates.shape[-1]
 
         # Top part: the first `top_len` candidates of each row.
@@ -92,7 +92,7 @@ class SparseIndexViews:
     def set_full(self, slots: torch.Tensor, context_lens: torch.Tensor) -> None:
         """Views covering the whole context (used when the budget is the whole context)."""
         width = int(context_lens.max()) if context_lens.numel() else 0
-        self._ensure_capacity(width)
+        self.ensure_capacity(width)
         positions = torch.arange(width, device=self.device, dtype=torch.int32)
         self.positions[:, slots.long(), :, :width] = positions
         self.lengths[slots.long()] = context_lens.to(torch.int32)
