@@ -30,6 +30,9 @@ RANDOM_SHAPES = {
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    # For smoke tests of the benchmark itself on a CPU.
+    "qwen3-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
 }
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "math_train.json"
 
@@ -98,11 +101,14 @@ def time_hf_generate(model, input_ids, max_new_tokens: int, device: str) -> dict
     return {"ms_per_step": decode / (max_new_tokens - 1) * 1e3, "tokens_per_s": tokens / decode}
 
 
-def time_engine(model, input_ids, max_new_tokens: int, config: S3RConfig, mode: str, acceptance) -> dict:
+def time_engine(
+    model, input_ids, max_new_tokens: int, config: S3RConfig, mode: str, acceptance, stages: bool = False
+) -> dict:
     mask = torch.ones_like(input_ids)
     out = model.generate(
         input_ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
-        eos_token_id=None, s3r_config=config, s3r_mode=mode, s3r_forced_acceptance=acceptance, s3r_timing=True,
+        eos_token_id=None, s3r_config=config, s3r_mode=mode, s3r_forced_acceptance=acceptance,
+        s3r_timing="stages" if stages else True,
     )
     stats = out.s3r_stats
     # Steady state: CUDA-graph captures (once per batch bucket and call) are reported apart.
@@ -116,6 +122,7 @@ def time_engine(model, input_ids, max_new_tokens: int, config: S3RConfig, mode: 
         "tau": stats.mean_acceptance_length,
         "acceptance_rate": stats.acceptance_rate,
         "per_position_acceptance": stats.per_position_acceptance,
+        "stage_ms_per_step": {k: v / max(stats.steps, 1) * 1e3 for k, v in stats.stage_seconds.items()},
         "sequences": out,
     }
 
@@ -133,13 +140,13 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
     base = S3RConfig(draft_len=args.draft_len, min_budget=args.min_budget, page_size=16,
                      prefill_chunk_size=args.prefill_chunk, cuda_graphs=args.cuda_graphs)
     _release_memory(device)
-    ar = time_engine(model, input_ids, args.max_new_tokens, base, "ar", None)
+    ar = time_engine(model, input_ids, args.max_new_tokens, base, "ar", None, args.stages)
     point["engine_ar"] = {k: v for k, v in ar.items() if k != "sequences"}
     point["s3r"] = {}
     for ratio in args.budget:
         config = S3RConfig(**{**base.to_dict(), "budget_ratio": ratio})
         _release_memory(device)
-        s3r = time_engine(model, input_ids, args.max_new_tokens, config, "s3r", args.acceptance)
+        s3r = time_engine(model, input_ids, args.max_new_tokens, config, "s3r", args.acceptance, args.stages)
         if args.acceptance is None:  # exact runs: greedy S3R must reproduce greedy AR
             s3r["greedy_matches_ar"] = bool(torch.equal(s3r["sequences"], ar["sequences"]))
         point["s3r"][str(ratio)] = {k: v for k, v in s3r.items() if k != "sequences"}
@@ -167,6 +174,10 @@ def print_point(point: dict) -> None:
     captures = [(label, r) for label, r in [("AR", ar)] + list(point["s3r"].items()) if r.get("graph_captures")]
     for label, r in captures:
         print(f"  {label}: {r['graph_captures']} CUDA-graph captures, {r['graph_capture_s']:.2f} s (excluded)")
+    for label, r in [("AR", ar)] + list(point["s3r"].items()):
+        if r.get("stage_ms_per_step"):
+            parts = ", ".join(f"{stage} {ms:.2f}" for stage, ms in r["stage_ms_per_step"].items())
+            print(f"  {label} stages, ms per step (synchronized): {parts}")
     hf = point.get("hf_generate")
     if "hf_generate_error" in point:
         print(f"model.generate failed: {point['hf_generate_error']}")
@@ -220,6 +231,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=str(DEFAULT_DATA), help="MATH-style JSON for real-text prompts")
     parser.add_argument("--skip-generate", action="store_true", help="do not time model.generate")
     parser.add_argument("--cuda-graphs", action="store_true", help="replay single-token steps as CUDA graphs")
+    parser.add_argument("--stages", action="store_true",
+                        help="also time each stage of a round (synchronizes between stages: slower, for profiling)")
     parser.add_argument("--json", help="write all results to this file")
     parser.add_argument("--plot", help="write a PNG of speedup against context length")
 

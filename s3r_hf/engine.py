@@ -60,7 +60,8 @@ class S3REngine:
             that the exactness tests have power).
         forced_acceptance: benchmark-only, NOT exact: accept each draft with this probability instead of the
             ratio test, so random-weight models can time the cost side of a given acceptance pattern.
-        timing: synchronize the device around prefill and decoding and record their wall time in the stats.
+        timing: synchronize the device around prefill and decoding and record their wall time in the stats;
+            `"stages"` also times each stage of a round (`S3RStats.stage_seconds`; adds synchronizations).
     """
 
     MODES = ("s3r", "ar", "unverified")
@@ -73,10 +74,12 @@ class S3REngine:
         cache: S3RCache,
         mode: str = "s3r",
         forced_acceptance: float | None = None,
-        timing: bool = False,
+        timing: bool | str = False,
     ) -> None:
         if mode not in self.MODES:
             raise ValueError(f"engine mode must be one of {self.MODES}, got {mode!r}")
+        if timing not in (True, False, "stages"):
+            raise ValueError(f"timing must be True, False or 'stages', got {timing!r}")
         if forced_acceptance is not None and not 0.0 <= forced_acceptance <= 1.0:
             raise ValueError(f"forced_acceptance must be in [0, 1], got {forced_acceptance}")
         self.model = model
@@ -145,6 +148,14 @@ class S3REngine:
         if self.timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def _stage_done(self, stage: str, started: float) -> float:
+        """With `timing="stages"`, add the time since `started` to `stage`; returns the new start."""
+        if self.timing != "stages":
+            return started
+        now = self._clock()
+        self.stats.stage_seconds[stage] = self.stats.stage_seconds.get(stage, 0.0) + now - started
+        return now
 
     def _pages_needed(self, request: Request) -> int:
         """Pages for the request's context plus one full round."""
@@ -334,6 +345,7 @@ class S3REngine:
     def _round(self, requests: list[Request]) -> None:
         if not requests:
             return
+        started = self._clock() if self.timing == "stages" else 0.0
         draft_counts = [self._draft_count(r) for r in requests]
         max_drafts = max(draft_counts, default=0)
         # Pages for the whole round were reserved before it: one block table serves every forward of the round.
@@ -348,7 +360,9 @@ class S3REngine:
                 rows = [i for i, k in enumerate(draft_counts) if k > step]
                 self.draft_pass(step, [requests[i] for i in rows], rows, draft_tokens, draft_scores,
                                 tables if len(rows) == len(requests) else tables[self._tensor(rows)], len(requests))
+        started = self._stage_done("draft", started)
         plan, logits, block_starts, target_scores = self._verify(requests, draft_counts, draft_tokens, tables)
+        started = self._stage_done("verify", started)
         num_drafts = self._tensor(draft_counts)
         if self.mode == "unverified":
             num_accepted = (num_drafts - 1).clamp(min=0)
@@ -389,10 +403,12 @@ class S3REngine:
             self.cache.set_length(request.slot, request.committed)
         self.stats.steps += 1
         self.stats.record_round(draft_counts, accepted_list, committed_counts)
+        started = self._stage_done("accept", started)
         if self.mode == "ar":
             return  # dense decoding never drafts, so it keeps no index views
         alive = [i for i, r in enumerate(requests) if r.status is not RequestStatus.FINISHED]
         self.refresh_views(plan, alive, [requests[i] for i in alive], [requests[i].committed for i in alive])
+        self._stage_done("refresh", started)
 
     def _run_draft_phase(
         self, requests: list[Request], draft_counts: list[int], tables: torch.Tensor, max_drafts: int

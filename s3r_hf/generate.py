@@ -55,7 +55,7 @@ def generate(
     s3r_config: S3RConfig | dict | None = None,
     s3r_mode: str = "s3r",
     s3r_forced_acceptance: float | None = None,
-    s3r_timing: bool = False,
+    s3r_timing: bool | str = False,
     **model_kwargs,
 ) -> S3RGenerateOutput | torch.LongTensor:
     """S3R decoding method for `model.generate(..., custom_generate=s3r_hf.generate, s3r_config=...)`.
@@ -68,7 +68,8 @@ def generate(
     Diagnostics and benchmarks (see `S3REngine`): `s3r_mode="ar"` decodes densely in the same engine,
     `s3r_mode="unverified"` commits the sparse drafter's tokens without verification (NOT exact; it shows that the
     exactness tests can tell the difference), `s3r_forced_acceptance=p` fixes the acceptance pattern of
-    random-weight models (NOT exact), `s3r_timing=True` records device-synchronized stage times.
+    random-weight models (NOT exact), `s3r_timing=True` records device-synchronized prefill and decode
+    times, `s3r_timing="stages"` also the time of each stage of a round (draft, verify, accept, refresh).
     """
     config = S3RConfig.coerce(s3r_config)
     check_model_supported(model)

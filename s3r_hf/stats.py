@@ -26,6 +26,10 @@ class S3RStats:
     decode_seconds: float = 0.0  # wall time of draft/verify rounds (CUDA-graph captures included)
     graph_captures: int = 0
     graph_capture_seconds: float = 0.0  # part of decode_seconds spent capturing CUDA graphs
+    # Per-stage wall time of the rounds (draft, verify, accept, refresh) with `s3r_timing="stages"` only: the
+    # device is synchronized between stages, which removes host/device overlap, so use it to see where a round's
+    # time goes, not for the headline numbers.
+    stage_seconds: dict[str, float] = field(default_factory=dict)
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
 
@@ -78,6 +82,7 @@ class S3RStats:
             "decode_seconds": self.decode_seconds,
             "graph_captures": self.graph_captures,
             "graph_capture_seconds": self.graph_capture_seconds,
+            "stage_seconds": dict(self.stage_seconds),
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance": self.per_position_acceptance,
