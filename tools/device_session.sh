@@ -5,10 +5,10 @@
 # calls while the machine stays warm).
 #
 #   (every stage also carries .data: a copy of ../shared/data/math_train.json, which does not travel)
-#   stage 1  carry .models/smol.gguf.partaa .whl/small: CUDA tests (Triton, graphs, sampling exactness),
-#            kernel bench, Qwen3-1.7B-shape engine bench
-#   stage 2  carry .models/smol.gguf.partab: SmolLM2-135M real-text bench (bf16 speed, fp32 exactness)
-#   stage 3  carry .whl/big: GRPO rollouts (S3R vs TRL generation), tools/bench_grpo.py
+#   stage 1  carry .models/smol.gguf.partaa .whl/test (pytest) .whl/small/gguf*: CUDA tests (Triton, graphs,
+#            sampling exactness), kernel bench, Qwen3-1.7B-shape engine bench
+#   stage 2  carry .models/smol.gguf.partab .whl/small: SmolLM2-135M real-text bench (bf16 speed, fp32 exactness)
+#   stage 3  carry .whl/big (pyarrow, pandas): GRPO rollouts (S3R vs TRL generation), tools/bench_grpo.py
 #
 # Usage on the device: bash tools/device_session.sh STAGE   (writes logs and JSON under $OUT)
 set -uo pipefail
@@ -24,7 +24,7 @@ log() { echo "== $(date -u +%H:%M:%S) $*"; }
 case $stage in
 1)
   cp .models/smol.gguf.partaa /root/smol/
-  install_wheels .whl/small/*.whl
+  install_wheels .whl/test/*.whl .whl/small/gguf*.whl
   python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name())"
   nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv
   log tests
@@ -40,6 +40,7 @@ case $stage in
     --skip-generate --cuda-graphs --stages 2>&1 | tee "$OUT/qwen_stages.log"
   ;;
 2)
+  install_wheels .whl/small/*.whl
   cat /root/smol/smol.gguf.partaa .models/smol.gguf.partab > /root/smol/SmolLM2-135M-Instruct.Q4_1.gguf
   smol=/root/smol/SmolLM2-135M-Instruct.Q4_1.gguf
   log smollm2 bf16
