@@ -28,15 +28,15 @@ case $stage in
   python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name())"
   nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv
   log tests
-  S3R_HF_TEST_DEVICE=cuda python3 -m pytest -q -p no:warnings -p no:cacheprovider -rs tests/test_triton_kernels.py \
+  S3R_HF_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:warnings -p no:cacheprovider -rs tests/test_triton_kernels.py \
     tests/test_cuda_graphs.py tests/test_exactness_sampling.py tests/test_greedy_exactness.py 2>&1 | tee "$OUT/tests.log" | tail -40
   log kernels
-  python3 -m s3r_hf.bench_kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+  timeout 100 python3 -m s3r_hf.bench_kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
   log qwen3-1.7b engine
-  python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 64 --seq 4096,8192 --max-new-tokens 160 --acceptance 0.8 \
+  timeout 170 python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 64 --seq 4096,8192 --max-new-tokens 160 --acceptance 0.8 \
     --skip-generate --cuda-graphs --json "$OUT/qwen.json" 2>&1 | tee "$OUT/qwen.log"
   log qwen3-1.7b stages
-  python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 64 --seq 4096 --max-new-tokens 96 --acceptance 0.8 \
+  timeout 90 python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 64 --seq 4096 --max-new-tokens 96 --acceptance 0.8 \
     --skip-generate --cuda-graphs --stages 2>&1 | tee "$OUT/qwen_stages.log"
   ;;
 2)
