@@ -62,9 +62,7 @@ def s3r_attention_forward(
         )
         out = dense_out if out is None else out.index_copy_(0, dense.query_index, dense_out)
         if scores is not None:
-            step.candidates[layer_idx] = backend.select_topk_candidates(
-                scores, dense.history_lens, dense.num_candidates
-            )
+            step.scores[layer_idx] = scores  # top-K for all layers at once after the forward
     if step.sparse is not None:
         sparse = step.sparse
         view, view_lens = cache.index_views.view(layer_idx, sparse.slots, width=sparse.view_width)

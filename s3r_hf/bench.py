@@ -53,7 +53,7 @@ def build_model(name: str, dtype: torch.dtype, device: str) -> tuple[PreTrainedM
 def text_prompts(tokenizer, batch: int, seq: int, data_path: Path) -> torch.Tensor:
     """`[batch, seq]` prompts of real math text: problems and solutions from `data_path`, concatenated."""
     records = json.loads(data_path.read_text())
-    texts = [f"Problem: {r['problem']}\nSolution: {r['solution']}\n\n" for r in records]
+    texts = [f"Problem: {r['problem']}\nSolution: {r.get('solution', r.get('answer', ''))}\n\n" for r in records]
     prompts = []
     cursor = 0
     for _ in range(batch):

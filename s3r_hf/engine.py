@@ -21,6 +21,7 @@ from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.config import S3RConfig
 from s3r_hf.cuda_graphs import DecodeGraphs
 from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase, draw_noise
+from s3r_hf.kernels import get_backend
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.request import Request, RequestStatus
 from s3r_hf.sampler import sample_from_scores, speculative_accept
@@ -150,11 +151,15 @@ class S3REngine:
         return time.perf_counter()
 
     def _stage_done(self, stage: str, started: float) -> float:
-        """With `timing="stages"`, add the time since `started` to `stage`; returns the new start."""
+        """With `timing="stages"`, add the time since `started` to `stage`, CUDA-graph captures left out (they are
+        reported apart); returns the new start."""
         if self.timing != "stages":
             return started
         now = self._clock()
-        self.stats.stage_seconds[stage] = self.stats.stage_seconds.get(stage, 0.0) + now - started
+        captured = self.graphs.capture_seconds if self.graphs is not None else 0.0
+        elapsed = now - started - (captured - self._captured_before_stage)
+        self._captured_before_stage = captured
+        self.stats.stage_seconds[stage] = self.stats.stage_seconds.get(stage, 0.0) + elapsed
         return now
 
     def _pages_needed(self, request: Request) -> int:
@@ -254,10 +259,23 @@ class S3REngine:
                 "attention function registered with transformers' AttentionInterface; S3R needs every layer's "
                 "attention to go through `cache.update` and `ALL_ATTENTION_FUNCTIONS`"
             )
+        if plan.scores:
+            plan.candidates = self._select_candidates(plan)
         logits = output.logits[0]
         if keep is not None and not self._supports_logits_to_keep:
             logits = logits[keep]
         return logits
+
+    def _select_candidates(self, plan: StepPlan) -> torch.Tensor:
+        """Top-K history positions of every layer, `[num_layers, Sd, Hkv, K]`, from one batched selection."""
+        scores = torch.stack([plan.scores[layer] for layer in range(self.num_layers)])  # [L, Sd, Hkv, ctx]
+        plan.scores = {}
+        layers, segments = scores.shape[:2]
+        history = plan.dense.history_lens.repeat(layers)
+        candidates = get_backend(scores.device).select_topk_candidates(
+            scores.flatten(0, 1), history, plan.dense.num_candidates
+        )
+        return candidates.view(layers, segments, *candidates.shape[1:])
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return to_device(values, self.device)
@@ -345,7 +363,10 @@ class S3REngine:
     def _round(self, requests: list[Request]) -> None:
         if not requests:
             return
-        started = self._clock() if self.timing == "stages" else 0.0
+        started = 0.0
+        if self.timing == "stages":
+            started = self._clock()
+            self._captured_before_stage = self.graphs.capture_seconds if self.graphs is not None else 0.0
         draft_counts = [self._draft_count(r) for r in requests]
         max_drafts = max(draft_counts, default=0)
         # Pages for the whole round were reserved before it: one block table serves every forward of the round.
@@ -578,5 +599,5 @@ class S3REngine:
         budgets = self._tensor(budget_list)
         for request, budget in zip(requests, budget_list):
             request.view_len = budget
-        candidates = torch.stack([plan.candidates[layer] for layer in range(self.num_layers)])[:, seg_index]
+        candidates = plan.candidates[:, seg_index]
         self.cache.index_views.build(None, slots, candidates, history, context_lens, budgets, width=max(budget_list))
