@@ -238,7 +238,28 @@ def _load_gguf(gguf_path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Pr
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype, **_dequantize_kwargs())
     _strip_gguf_quantizer(model)
+    _apply_gguf_special_tokens(gguf_path, model, tokenizer)
     return model, tokenizer
+
+
+def _apply_gguf_special_tokens(gguf_path: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Take BOS/EOS/padding ids from the GGUF metadata itself.
+
+    Some transformers versions (5.17 among them) map this file's EOS to `<|im_start|>` instead of the file's
+    `tokenizer.ggml.eos_token_id` (`<|im_end|>`), so chat completions would run past their end.
+    """
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    for role in ("bos", "eos", "pad"):
+        key = f"tokenizer.ggml.{'padding' if role == 'pad' else role}_token_id"
+        field = fields.get(key)
+        if field is None:
+            continue
+        token_id = int(field.parts[field.data[0]][0])
+        setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+        for config in (model.config, model.generation_config):
+            setattr(config, f"{role}_token_id", token_id)
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
