@@ -33,6 +33,7 @@ def load_math_dataset(source: str, limit: int | None = None) -> Dataset:
     else:
         records = list(load_dataset(source, split="train"))
     rows = {"prompt": [], "answer": []}
+    records = [r for r in records if r.get("answer")]  # a few MATH records carry no final answer
     for record in records[:limit]:
         question = record.get("question") or record["problem"]
         answer = record["answer"].split("####")[-1].strip()  # GSM8K keeps the final number after ####
