@@ -499,3 +499,37 @@ def test_offload_of_empty_request():
     assert saved.num_pages == 0 and saved.length == 0
     cache.restore(slot, saved)
     assert cache.page_lists[slot] == [] and cache.lengths[slot] == 0
+
+
+def test_block_tables_follow_every_page_list_change():
+    # The host mirror behind `block_tables` must agree with the page lists after reserves, rollbacks, offload,
+    # restore and release, in any order, including growth past the mirror's initial width.
+    cache = make_cache(num_pages=400, page_size=2, max_requests=4)
+    generator = torch.Generator().manual_seed(0)
+    slots = [cache.add_request() for _ in range(3)]
+    saved = {}
+    for _ in range(600):
+        slot = slots[int(torch.randint(0, 3, (1,), generator=generator))]
+        action = int(torch.randint(0, 10, (1,), generator=generator))
+        if slot in saved:
+            if cache.allocator.num_free >= saved[slot].num_pages:
+                cache.restore(slot, saved.pop(slot))
+            continue
+        if action < 7:
+            length = cache.lengths[slot] + int(torch.randint(1, 12, (1,), generator=generator))
+            if cache.allocator.num_free >= cache.pages_for(length) - len(cache.page_lists[slot]):
+                cache.reserve(slot, length)
+                cache.set_length(slot, length)
+        elif action < 9:  # roll back a few tokens (sometimes across a page boundary)
+            cache.set_length(slot, max(0, cache.lengths[slot] - int(torch.randint(0, 5, (1,), generator=generator))))
+        else:
+            saved[slot] = cache.offload(slot)
+        live = [s for s in slots if s not in saved]
+        tables = cache.block_tables(live)
+        for row, s in enumerate(live):
+            pages = cache.page_lists[s]
+            assert tables[row, : len(pages)].tolist() == pages
+            assert not tables[row, len(pages) :].any()
+    assert max(len(p) for p in cache.page_lists.values()) > 64  # grew past the initial mirror width
+    cache.release(slots[0])
+    assert cache.add_request() == slots[0] and not cache.block_tables([slots[0]]).any()

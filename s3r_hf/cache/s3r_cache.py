@@ -138,6 +138,9 @@ class S3RCache(Cache):
         super().__init__(layers=layers)
         self.allocator = PageAllocator(num_pages)
         self.page_lists: dict[int, list[int]] = {}
+        # Host mirror of the page lists as one int32 table (row = slot), kept in step with every change, so a
+        # round's block tables are one row gather instead of a tensor built per request.
+        self._host_tables = torch.zeros(max_requests, 64, dtype=torch.int32)
         self.lengths: dict[int, int] = {}
         self._free_slots = list(range(max_requests - 1, -1, -1))
         # One view row beyond the slots: padding rows of fixed-size steps use it, and its length stays 0.
@@ -169,6 +172,7 @@ class S3RCache(Cache):
 
     def release(self, slot: int) -> None:
         """Free a slot and all its pages."""
+        self._host_tables[slot].zero_()
         self.allocator.free(self.page_lists.pop(slot))
         del self.lengths[slot]
         self._free_slots.append(slot)
@@ -178,7 +182,9 @@ class S3RCache(Cache):
         pages = self.page_lists[slot]
         missing = self.pages_for(length) - len(pages)
         if missing > 0:
+            held = len(pages)
             pages.extend(self.allocator.allocate(missing))
+            self._mirror(slot, held)
 
     def set_length(self, slot: int, length: int) -> None:
         """Set the valid length of `slot`; shrinking rolls back and frees pages beyond the new length."""
@@ -188,17 +194,24 @@ class S3RCache(Cache):
         keep = self.pages_for(length)
         if keep < len(pages):
             self.allocator.free(pages[keep:])
+            self._host_tables[slot, keep : len(pages)] = 0
             del pages[keep:]
         self.lengths[slot] = length
 
     def block_tables(self, slots: list[int]) -> torch.Tensor:
         """`[len(slots), max_pages]` int32 block tables (unused entries 0)."""
         width = max((len(self.page_lists[s]) for s in slots), default=0)
-        table = torch.zeros(len(slots), max(width, 1), dtype=torch.int32)
-        for row, slot in enumerate(slots):
-            pages = self.page_lists[slot]
-            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return to_device(table, self.device, torch.int32)
+        rows = self._host_tables.index_select(0, torch.tensor(slots, dtype=torch.long))
+        return to_device(rows[:, : max(width, 1)].contiguous(), self.device, torch.int32)
+
+    def _mirror(self, slot: int, start: int) -> None:
+        """Copy `page_lists[slot][start:]` into the host table (grown to fit)."""
+        pages = self.page_lists[slot]
+        if len(pages) > self._host_tables.shape[1]:
+            grown = torch.zeros(self.max_requests, max(len(pages), 2 * self._host_tables.shape[1]), dtype=torch.int32)
+            grown[:, : self._host_tables.shape[1]] = self._host_tables
+            self._host_tables = grown
+        self._host_tables[slot, start : len(pages)] = torch.tensor(pages[start:], dtype=torch.int32)
 
     def flat_indices(self, slot: int, positions: range) -> list[int]:
         """Flat pool row (`page * page_size + offset`) of each position of `slot`."""
@@ -219,6 +232,7 @@ class S3RCache(Cache):
         saved = OffloadedRequest(keys=keys, values=values, length=self.lengths[slot])
         self.allocator.free(self.page_lists[slot])
         self.page_lists[slot] = []
+        self._host_tables[slot].zero_()
         self.lengths[slot] = 0
         return saved
 
@@ -236,6 +250,7 @@ class S3RCache(Cache):
             layer.keys[index] = keys.to(self.device, non_blocking=True)
             layer.values[index] = values.to(self.device, non_blocking=True)
         self.page_lists[slot] = pages
+        self._mirror(slot, 0)
         self.lengths[slot] = saved.length
 
     # ---------------------------------------------------------------- the transformers Cache API
