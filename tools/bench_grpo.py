@@ -53,6 +53,7 @@ STEP_KEYS = {
     "s3r/acceptance_rate": "acceptance_rate",
     "s3r/mean_acceptance_length": "tau",
     "s3r/rollout_seconds": "s3r_rollout_seconds",
+    "s3r/graph_capture_seconds": "graph_capture_seconds",
 }
 
 

@@ -111,3 +111,4 @@ class S3RGRPOTrainer(GRPOTrainer):
             metrics[f"s3r/acceptance_position_{position + 1}"].append(rate)
         metrics["s3r/peak_kv_pages"].append(float(stats.peak_kv_pages))
         metrics["s3r/offload_episodes"].append(float(stats.offload_episodes))
+        metrics["s3r/graph_capture_seconds"].append(stats.graph_capture_seconds)
