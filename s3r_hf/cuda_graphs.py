@@ -47,7 +47,7 @@ class _CapturedDraftPhase:
 
 
 class DecodeGraphs:
-    """Captures and replays the model forward of single-token steps (draft passes, dense decode steps).
+    """Captures and replays decode forwards: dense decode steps, verify blocks, draft passes and whole draft phases.
 
     Args:
         cache: the engine's `S3RCache`.

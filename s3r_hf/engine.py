@@ -98,6 +98,7 @@ class S3REngine:
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self._supports_logits_to_keep = "logits_to_keep" in parameters
         self.graphs: DecodeGraphs | None = None
+        self._captured_before_stage = 0.0  # capture seconds already counted when the current stage began
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         # The round's draft passes run as one device-side program unless a logits processor reads the history
         # (then each pass goes back to the host, which writes the provisional drafts into the histories).
