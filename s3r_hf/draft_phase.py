@@ -79,6 +79,9 @@ class DraftPhase:
     ) -> DraftOutputs:
         """Run `passes` (default `draft_len`) passes; `view_width` bounds the index views read (a host int, fixed
         for a captured graph)."""
+        if not self.greedy and inputs.noise is None:
+            # Sampled drafts must follow the scores the acceptance test divides by; an argmax would not.
+            raise ValueError("sampled drafting needs DraftInputs.noise (see DraftPhase.noise_buffer and draw_noise)")
         rows = inputs.pending.shape[0]
         tail_starts = inputs.committed.to(torch.int32)
         tokens = inputs.pending
@@ -102,7 +105,7 @@ class DraftPhase:
             plan = StepPlan(write_index=write_index, position_ids=positions[None], sparse=sparse)
             logits = self.forward(tokens[None], plan)
             step_scores = self.processor(list(range(rows)), [], logits)
-            if inputs.noise is None:
+            if self.greedy:
                 tokens = step_scores.argmax(dim=-1)
             else:
                 tokens = sample_with_noise(step_scores, inputs.noise[step])
