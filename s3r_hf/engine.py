@@ -157,11 +157,14 @@ class S3REngine:
         if self.timing != "stages":
             return started
         now = self._clock()
-        captured = self.graphs.capture_seconds if self.graphs is not None else 0.0
+        captured = self._capture_seconds()
         elapsed = now - started - (captured - self._captured_before_stage)
         self._captured_before_stage = captured
         self.stats.stage_seconds[stage] = self.stats.stage_seconds.get(stage, 0.0) + elapsed
         return now
+
+    def _capture_seconds(self) -> float:
+        return self.graphs.capture_seconds if self.graphs is not None else 0.0
 
     def _pages_needed(self, request: Request) -> int:
         """Pages for the request's context plus one full round."""
@@ -298,7 +301,7 @@ class S3REngine:
         for row, request in enumerate(finished):
             request.committed = request.prompt_len
             logprob = logprobs[row] if logprobs is not None else None
-            self._commit(request, first_tokens[row], scores, logits, row, logprob)
+            self._commit(request, first_tokens[row], scores, row, logits, row, logprob)
         self.refresh_views(plan, finals, finished, [r.prompt_len for r in finished])
 
     def prefill_forward(self, requests: list[Request]):
@@ -367,7 +370,7 @@ class S3REngine:
         started = 0.0
         if self.timing == "stages":
             started = self._clock()
-            self._captured_before_stage = self.graphs.capture_seconds if self.graphs is not None else 0.0
+            self._captured_before_stage = self._capture_seconds()
         draft_counts = [self._draft_count(r) for r in requests]
         max_drafts = max(draft_counts, default=0)
         # Pages for the whole round were reserved before it: one block table serves every forward of the round.
@@ -416,8 +419,8 @@ class S3REngine:
             for offset, token in enumerate(proposals):
                 count += 1
                 logprob = logprobs[row][offset] if logprobs is not None else None
-                if self._commit(request, token, target_scores[row], logits, block_starts[row] + offset, logprob,
-                                offset):
+                if self._commit(request, token, target_scores[row], offset, logits, block_starts[row] + offset,
+                                logprob):
                     break
             committed_counts.append(count)
             # K/V of the pending token and the accepted drafts are now dense and valid; the rest is discarded.
@@ -558,22 +561,22 @@ class S3REngine:
         request: Request,
         token: int,
         scores: torch.Tensor,
+        scores_row: int,
         logits: torch.Tensor,
         logits_row: int,
         logprob: float | None,
-        scores_row: int | None = None,
     ) -> bool:
         """Append one generated token; returns True when the request stops on it.
 
-        The token's processed scores are `scores[scores_row]` (`scores[logits_row]` when None) and its raw logits
-        `logits[logits_row]`; they are indexed only when an output or a stopping criterion reads them, since a
-        tensor index per committed token is host time the round otherwise does not spend.
+        The token's processed scores are `scores[scores_row]` and its raw logits `logits[logits_row]`; they are
+        indexed only when an output or a stopping criterion reads them, since a tensor index per committed token
+        is host time the round otherwise does not spend.
         """
         request.append(token)
         request.pending = token
         token_scores = None
         if self.sampling.output_scores or len(self.sampling.stopping_criteria) > 0:
-            token_scores = scores[logits_row if scores_row is None else scores_row]
+            token_scores = scores[scores_row]
         if self.sampling.output_scores:
             request.scores.append(token_scores.detach().clone())
         if self.sampling.output_logits:
