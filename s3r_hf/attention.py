@@ -27,6 +27,8 @@ PACKED_ATTENTION_NAME = "s3r_packed"
 PLAIN_ATTENTION_NAME = "s3r"
 
 
+# Kept out of `torch.compile` graphs (`S3RConfig.compile_layers`): it launches Triton kernels on a `StepPlan`.
+@torch.compiler.disable
 def s3r_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -65,9 +67,11 @@ def s3r_attention_forward(
             step.scores[layer_idx] = scores  # top-K for all layers at once after the forward
     if step.sparse is not None:
         sparse = step.sparse
-        view, view_lens = cache.index_views.view(layer_idx, sparse.slots, width=sparse.view_width)
+        if sparse.views is None:
+            raise RuntimeError("SparseQueries.views must be gathered before the forward (S3REngine._model_logits)")
         sparse_out, _ = backend.paged_sparse_attention(
-            _rows(packed, sparse.query_index), pools.keys, pools.values, sparse.block_tables, view, view_lens,
+            _rows(packed, sparse.query_index), pools.keys, pools.values, sparse.block_tables, sparse.views[layer_idx],
+            sparse.view_lens,
             sparse.tail_starts, sparse.positions, scale, max_keys=sparse.max_keys, num_splits=sparse.num_splits,
         )
         out = sparse_out if out is None else out.index_copy_(0, sparse.query_index, sparse_out)

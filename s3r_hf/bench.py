@@ -134,11 +134,12 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
     else:
         input_ids = random_prompts(model.config.vocab_size, batch, seq).to(device)
     point = {"model": name, "batch": batch, "seq": seq, "max_new_tokens": args.max_new_tokens,
-             "cuda_graphs": args.cuda_graphs,
+             "cuda_graphs": args.cuda_graphs, "compile_layers": args.compile_layers,
              "floor_ms": floor_ms(model, batch, seq + args.max_new_tokens // 2, bandwidth),
              "acceptance_forced": args.acceptance}
     base = S3RConfig(draft_len=args.draft_len, min_budget=args.min_budget, page_size=16,
-                     prefill_chunk_size=args.prefill_chunk, cuda_graphs=args.cuda_graphs)
+                     prefill_chunk_size=args.prefill_chunk, cuda_graphs=args.cuda_graphs,
+                     compile_layers=args.compile_layers)
     _release_memory(device)
     ar = time_engine(model, input_ids, args.max_new_tokens, base, "ar", None, args.stages)
     point["engine_ar"] = {k: v for k, v in ar.items() if k != "sequences"}
@@ -231,6 +232,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=str(DEFAULT_DATA), help="MATH-style JSON for real-text prompts")
     parser.add_argument("--skip-generate", action="store_true", help="do not time model.generate")
     parser.add_argument("--cuda-graphs", action="store_true", help="replay single-token steps as CUDA graphs")
+    parser.add_argument("--compile-layers", action="store_true",
+                        help="torch.compile the decoder layers (S3RConfig.compile_layers); with --cuda-graphs the "
+                        "compilation falls in prefill and graph captures, which are not timed")
     parser.add_argument("--stages", action="store_true",
                         help="also time each stage of a round (synchronizes between stages: slower, for profiling)")
     parser.add_argument("--json", help="write all results to this file")

@@ -40,6 +40,10 @@ class S3RConfig:
         cuda_graphs (`bool`, defaults to `False`):
             On CUDA, capture single-token steps (draft passes, dense decode steps) as CUDA graphs per batch
             bucket and replay them.
+        compile_layers (`bool`, defaults to `False`):
+            `torch.compile` each decoder layer for engine forwards (the S3R attention and K/V writes stay outside
+            the compiled graphs), so the elementwise work around the GEMMs runs as a few fused kernels. The first
+            call pays the compilation; with `cuda_graphs` the fused kernels are what the graphs replay.
         return_logprobs (`bool`, defaults to `False`):
             Return the dense log-probability (under the processed target distribution) of every generated token.
         seed (`int`, *optional*):
@@ -61,6 +65,7 @@ class S3RConfig:
     utilization_high: float = 0.95
     restore_backlog_threshold: int = 3
     cuda_graphs: bool = False
+    compile_layers: bool = False
     return_logprobs: bool = False
     seed: int | None = None
 
@@ -83,7 +88,7 @@ class S3RConfig:
         _check_float(self, "utilization_low", low=0.0, high=1.0)
         _check_float(self, "utilization_high", low=self.utilization_low, high=1.0)
         _check_int(self, "restore_backlog_threshold", low=0)
-        for name in ("cuda_graphs", "return_logprobs"):
+        for name in ("cuda_graphs", "compile_layers", "return_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"S3RConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:

@@ -6,6 +6,7 @@ tokens into one varlen batch described by a `StepPlan`, so mixed-stage steps can
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections import deque
@@ -18,6 +19,7 @@ from transformers.utils import logging
 from s3r_hf.attention import s3r_attention
 from s3r_hf.cache.page_allocator import KVCapacityError
 from s3r_hf.cache.s3r_cache import S3RCache
+from s3r_hf.compiled_layers import compiled_decoder_layers
 from s3r_hf.config import S3RConfig
 from s3r_hf.cuda_graphs import DecodeGraphs
 from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase, draw_noise
@@ -124,7 +126,8 @@ class S3REngine:
         waiting = deque(requests)
         running: list[Request] = []
         paused: deque[Request] = deque()
-        with s3r_attention(self.model, packed=True):
+        compiled = compiled_decoder_layers(self.model) if self.config.compile_layers else contextlib.nullcontext()
+        with s3r_attention(self.model, packed=True), compiled:
             while waiting or running or paused:
                 self._restore_and_admit(waiting, running, paused)
                 prefilling = [r for r in running if r.prefilled < r.prompt_len]
@@ -249,6 +252,9 @@ class S3REngine:
         kwargs = {self._cache_argument: self.cache}
         if keep is not None and self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = keep
+        if plan.sparse is not None:  # inside the forward, so a captured graph regathers them on every replay
+            sparse = plan.sparse
+            sparse.views, sparse.view_lens = self.cache.index_views.view(None, sparse.slots, width=sparse.view_width)
         self.cache.step = plan
         try:
             output = self.model(

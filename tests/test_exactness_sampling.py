@@ -19,7 +19,8 @@ per-seed p-values spread over (0.01, 0.99) and pooled 60,000-sample p-values of 
 visible at six times this test's sample size.
 
 On a GPU machine, `S3R_HF_TEST_DEVICE=cuda python -m pytest tests/test_exactness_sampling.py` samples on CUDA
-with the Triton kernels, eagerly and with CUDA graphs (the graphed draft phase samples from pre-drawn noise);
+with the Triton kernels, eagerly, with CUDA graphs (the graphed draft phase samples from pre-drawn noise), and
+with graphs of compiled decoder layers (`compile_layers`);
 the exact distribution is still enumerated on the CPU.
 """
 
@@ -54,7 +55,13 @@ UNVERIFIED_SAMPLES = 2_500
 S3R = dict(draft_len=2, budget_ratio=0.05, min_budget=1, page_size=4)
 
 DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
-GRAPHS = [False, True] if DEVICE.type == "cuda" else [False]
+# How the engine runs its forwards: eagerly; replaying CUDA graphs; replaying graphs of compiled decoder layers.
+RUNTIMES = {
+    "eager": {},
+    "graphs": {"cuda_graphs": True},
+    "graphs+compile": {"cuda_graphs": True, "compile_layers": True},
+}
+GRAPHS = list(RUNTIMES) if DEVICE.type == "cuda" else ["eager"]
 
 CASES = {
     "t1.0": dict(temperature=1.0, top_k=None, top_p=None),
@@ -81,7 +88,7 @@ def setup():
     return model, sampler, prompt
 
 
-def _sample(model, prompt, sampling: dict, samples: int, seed: int, unverified: bool = False, graphs: bool = False):
+def _sample(model, prompt, sampling: dict, samples: int, seed: int, unverified: bool = False, graphs: str = "eager"):
     """`samples` continuations drawn in chunks of `CHUNK` rows; returns (sequences, drafted, accepted, per-position)."""
     prompt = prompt.to(model.device)
     sequences, drafted, accepted = [], 0, 0
@@ -95,7 +102,7 @@ def _sample(model, prompt, sampling: dict, samples: int, seed: int, unverified: 
             max_new_tokens=NEW_TOKENS,
             num_return_sequences=rows,
             return_dict_in_generate=True,
-            s3r_config=S3RConfig(**S3R, seed=seed + chunk, cuda_graphs=graphs),
+            s3r_config=S3RConfig(**S3R, seed=seed + chunk, **RUNTIMES[graphs]),
             s3r_mode="unverified" if unverified else "s3r",
             **sampling,
         )
@@ -146,7 +153,7 @@ def test_s3r_samples_follow_exact_dense_distribution(setup, case, graphs):
     results, counts = _tests(sequences, probs)
     message = _describe(results, counts, probs)
     print(
-        f"\n[{case}, {DEVICE.type}, graphs={graphs}] S3R acceptance {accepted}/{drafted} = {accepted / drafted:.3f}, "
+        f"\n[{case}, {DEVICE.type}, {graphs}] S3R acceptance {accepted}/{drafted} = {accepted / drafted:.3f}, "
         f"per position "
         f"{[f'{a}/{d}' for a, d in zip(position_accepted, position_drafted)]}\n{message}"
     )

@@ -96,6 +96,39 @@ def test_sparse_attention_matches_reference(page_size, group, view_width, key_sp
     torch.testing.assert_close(actual[1], expected[1], **TOL)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernels_take_a_transposed_half_precision_query(splits, monkeypatch):
+    """The attention function hands the kernels a transposed view of the projection (no copy) and reads their
+    result in the model's dtype: an unsplit kernel stores it directly, a split one after the float32 merge."""
+    monkeypatch.setattr(triton_backend, "_num_splits", lambda programs, keys, min_keys: min(splits, keys))
+    generator = torch.Generator().manual_seed(splits)
+    page_size, num_kv_heads, group, head_dim = 4, 2, 2, 16
+    contexts = [21, 9, 30]
+    num_pages = sum(-(-c // page_size) for c in contexts) + 1
+    key_pool, value_pool = (pool.half() for pool in paged_pools(num_pages, page_size, num_kv_heads, head_dim,
+                                                                 generator))
+    tables = block_tables_for(contexts, page_size, num_pages, generator)
+    positions = torch.tensor(contexts, device=DEVICE) - 1
+    query = torch.randn(num_kv_heads * group, len(contexts), head_dim, generator=generator).half().to(DEVICE)
+    query = query.transpose(0, 1)  # [N, H, D] with unit stride only in the last dimension
+    assert not query.is_contiguous()
+    cu = torch.arange(len(contexts) + 1, device=DEVICE)
+    dense = (query, key_pool, value_pool, tables, cu, positions, 0.25)
+    expected = reference.paged_dense_attention(query.float(), key_pool.float(), value_pool.float(), *dense[3:])[0]
+    actual = triton_backend.paged_dense_attention(*dense)[0]
+    assert actual.dtype == torch.float16
+    torch.testing.assert_close(actual.float(), expected, atol=2e-3, rtol=2e-3)
+    # A sparse view of every other position, read through the same transposed query.
+    width = 5
+    view = torch.stack([torch.arange(0, 2 * width, 2)] * num_kv_heads)[None].repeat(len(contexts), 1, 1)
+    lens = torch.full((len(contexts),), width)
+    sparse = (tables, view.int().to(DEVICE), lens.to(DEVICE), positions.int(), positions.int(), 0.25)
+    expected = reference.paged_sparse_attention(query.float(), key_pool.float(), value_pool.float(), *sparse)[0]
+    actual = triton_backend.paged_sparse_attention(query, key_pool, value_pool, *sparse)[0]
+    assert actual.dtype == torch.float16
+    torch.testing.assert_close(actual.float(), expected, atol=2e-3, rtol=2e-3)
+
+
 def test_topk_matches_reference_without_ties():
     generator = torch.Generator().manual_seed(3)
     scores = torch.rand(3, 2, 50, generator=generator).to(DEVICE)

@@ -30,15 +30,15 @@ case $stage in
   install_wheels .whl/test/*.whl .whl/small/gguf*.whl
   python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name())"
   log tests
-  S3R_HF_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:warnings -p no:cacheprovider -rs \
-    ${TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_exactness_sampling.py tests/test_greedy_exactness.py} 2>&1 | tee "$OUT/tests.log" | tail -40
+  S3R_HF_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:warnings -p no:cacheprovider -rs \
+    ${TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_exactness_sampling.py tests/test_greedy_exactness.py tests/test_compiled_layers.py} 2>&1 | tee "$OUT/tests.log" | tail -40
   if [ "${KERNELS:-0}" = 1 ]; then
     log kernels
     timeout 100 python3 -m s3r_hf.bench_kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
   fi
   log qwen3-1.7b engine, stages
   timeout 170 python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 64 --seq ${QWEN_SEQ:-4096,8192} --max-new-tokens 160 \
-    --acceptance 0.8 --skip-generate --cuda-graphs --stages --json "$OUT/qwen.json" 2>&1 | tee "$OUT/qwen.log"
+    --acceptance 0.8 --skip-generate --cuda-graphs --stages ${QWEN_ARGS:-} --json "$OUT/qwen.json" 2>&1 | tee "$OUT/qwen.log"
   ;;
 2)
   install_wheels .whl/small/*.whl

@@ -97,12 +97,16 @@ class SparseIndexViews:
         self.positions[:, slots.long(), :, :width] = positions
         self.lengths[slots.long()] = context_lens.to(torch.int32)
 
-    def view(self, layer: int, slots: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(positions [S, Hkv, width], lengths [S])` of `slots` in `layer`; entries past a length are stale.
+    def view(
+        self, layer: int | None, slots: torch.Tensor, width: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(positions [S, Hkv, width], lengths [S])` of `slots` in `layer` (`[num_layers, S, Hkv, width]` for
+        every layer when `layer` is None); entries past a length are stale.
 
         `width` is the longest view among `slots` when the caller knows it on the host.
         """
         lengths = self.lengths[slots.long()]
         if width is None:
             width = int(lengths.max()) if lengths.numel() else 0
-        return self.positions[layer, slots.long(), :, :width], lengths
+        layers = slice(None) if layer is None else layer
+        return self.positions[layers, slots.long(), :, :width], lengths

@@ -254,6 +254,8 @@ class S3RCache(Cache):
         self.lengths[slot] = saved.length
 
     # ---------------------------------------------------------------- the transformers Cache API
+    # Kept out of `torch.compile` graphs (`S3RConfig.compile_layers`): host page bookkeeping, plan-driven writes.
+    @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write this forward's K/V (`[B, Hkv, T, D]`).
 

@@ -83,7 +83,7 @@ def _sparse_decode_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     tl.store(
         out_ptr + split * stride_os + query * stride_on + heads[:, None] * stride_oh + dims[None, :],
-        acc / l_safe[:, None], mask=row_ok[:, None] & dim_ok[None, :],
+        (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
     )
     tl.store(lse_ptr + split * stride_ls + query * stride_ln + heads, m_i + tl.log(l_i), mask=row_ok)
 
@@ -110,7 +110,7 @@ def paged_sparse_attention(
     num_queries, num_heads, head_dim = query.shape
     num_kv_heads = key_pool.shape[2]
     group = num_heads // num_kv_heads
-    query, key_pool, value_pool = query.contiguous(), key_pool.contiguous(), value_pool.contiguous()
+    query, key_pool, value_pool = _unit_stride(query), key_pool.contiguous(), value_pool.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     index_view = index_view.to(torch.int32).contiguous()
     if index_view.shape[-1] == 0:  # keep a valid pointer for the (fully masked) view loads
@@ -120,7 +120,7 @@ def paged_sparse_attention(
     longest = max_keys if max_keys is not None else int(view_lens.max() + (positions - tail_starts).max() + 1)
     splits = num_splits or _num_splits(num_queries * num_kv_heads, longest, min_keys=_MIN_KEYS_PER_SPLIT)
     keys_per_split = -(-longest // splits)
-    out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=torch.float32, device=query.device)
+    out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     _sparse_decode_kernel[(num_queries, num_kv_heads, splits)](
         query, key_pool, value_pool, block_tables, index_view,
@@ -153,6 +153,18 @@ def _num_splits(programs: int, keys: int, min_keys: int) -> int:
     if programs >= _TARGET_PROGRAMS:
         return 1
     return max(1, min(-(-_TARGET_PROGRAMS // max(programs, 1)), -(-keys // min_keys)))
+
+
+def _unit_stride(query: torch.Tensor) -> torch.Tensor:
+    """The kernels take the query's row and head strides; only the head dimension must be contiguous (so a
+    transposed view of the projection output needs no copy)."""
+    return query if query.stride(-1) == 1 else query.contiguous()
+
+
+def _out_dtype(query: torch.Tensor, splits: int) -> torch.dtype:
+    """An unsplit kernel stores its float32 result in the query's dtype (the same single rounding as a cast
+    afterwards, one kernel fewer); split partial results stay float32 until they are merged."""
+    return query.dtype if splits == 1 else torch.float32
 
 
 def _merge_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +245,10 @@ def _dense_varlen_kernel(
         # Partial result of this split (rows without keys here store lse = -inf); `_merge_splits` combines.
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o_offsets = split * stride_os + query[:, None] * stride_on + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(out_ptr + o_offsets, acc / l_safe[:, None], mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(
+            out_ptr + o_offsets, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
         tl.store(lse_ptr + split * stride_ls + query * stride_ln + heads, m_i + tl.log(l_i), mask=row_ok)
 
 
@@ -261,7 +276,7 @@ def paged_dense_attention(
     num_kv_heads = key_pool.shape[2]
     group = num_heads // num_kv_heads
     num_segments = cu_seqlens.shape[0] - 1
-    query, key_pool, value_pool = query.contiguous(), key_pool.contiguous(), value_pool.contiguous()
+    query, key_pool, value_pool = _unit_stride(query), key_pool.contiguous(), value_pool.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     cu = cu_seqlens.to(torch.int32).contiguous()
     positions = positions.to(torch.int32).contiguous()
@@ -296,7 +311,7 @@ def paged_dense_attention(
         num_segments * num_kv_heads * num_q_blocks, max_context, min_keys=_MIN_KEYS_PER_SPLIT
     )
     keys_per_split = -(-max_context // splits)
-    out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=torch.float32, device=query.device)
+    out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     grid = (num_segments, num_kv_heads, num_q_blocks * splits)
     _dense_varlen_kernel[grid](

@@ -1,0 +1,62 @@
+"""`torch.compile` of the decoder layers for engine forwards (`S3RConfig.compile_layers`).
+
+At rollout batch sizes a decode forward of a small model costs its kernel count, not its memory traffic: an
+eager HF decoder layer launches about 40 kernels (RMSNorm alone is six, rotary ten), so a 30-layer model runs
+over a thousand per forward. Compiling each layer lets inductor fuse the elementwise work around the GEMMs
+(norm, rotary, SiLU·mul, residual adds). The S3R attention function and the cache's K/V write are excluded from
+the compiled graphs (`torch.compiler.disable`): they launch Triton kernels on the step plan's metadata, and a
+graph break there costs nothing once the whole forward is replayed as a CUDA graph.
+
+The compiled forwards are installed on the layers only while an engine runs, so the model's own forward (the
+training step of an RL loop, plain `generate`) is never touched. One compiled function serves every layer of a
+class and lives for the process, so later calls recompile only for new shapes; parameters are read at call
+time, so optimizer steps between rollouts need no recompilation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable, Iterator
+
+import torch
+from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from s3r_hf.validation import UnsupportedModelError
+
+# One compiled function per decoder-layer class, shared by its layers (and by every model of that class).
+_compiled_forwards: dict[type, Callable] = {}
+
+
+def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The model's decoder layers (transformers' `GradientCheckpointingLayer` subclasses), in order."""
+    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    if not layers:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: S3RConfig.compile_layers needs decoder layers derived from transformers' "
+            "GradientCheckpointingLayer; none were found"
+        )
+    return layers
+
+
+@contextlib.contextmanager
+def compiled_decoder_layers(model: PreTrainedModel) -> Iterator[None]:
+    """Run the block with every decoder layer's `forward` replaced by its compiled version, then restore it."""
+    layers = decoder_layers(model)
+    saved = [(layer, layer.__dict__.get("forward")) for layer in layers]
+    # `layer_idx` would otherwise be a constant of each layer's graph: one recompilation per layer.
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+        try:
+            for layer in layers:
+                cls = type(layer)
+                if cls not in _compiled_forwards:
+                    _compiled_forwards[cls] = torch.compile(cls.forward)
+                layer.forward = types.MethodType(_compiled_forwards[cls], layer)
+            yield
+        finally:
+            for layer, previous in saved:
+                if previous is None:
+                    layer.__dict__.pop("forward", None)
+                else:
+                    layer.forward = previous

@@ -1,0 +1,44 @@
+"""`S3RConfig.compile_layers`: compiled decoder layers decode exactly what eager ones do, only while S3R runs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import s3r_hf
+from s3r_hf import S3RConfig
+from s3r_hf.compiled_layers import decoder_layers
+from s3r_hf.validation import UnsupportedModelError
+from tests.conftest import left_padded_batch, tiny_model
+
+# On a GPU machine (`S3R_HF_TEST_DEVICE=cuda`) the compiled layers also run inside CUDA graphs.
+DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
+
+
+def test_compiled_layers_greedy_match_dense_and_are_removed_afterwards():
+    model = s3r_hf.enable(tiny_model("llama", seed=31, num_hidden_layers=3).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([5, 17, 33, 9], seed=32))
+    dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=20)
+    config = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, compile_layers=True,
+                       cuda_graphs=DEVICE.type == "cuda")
+    torch._dynamo.reset()
+    out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=20,
+                         s3r_config=config)
+    assert torch.equal(out, dense)
+    assert out.s3r_stats.drafted > out.s3r_stats.accepted
+    # A second call reuses the compiled graphs.
+    compiled_frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert compiled_frames > 0
+    out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=20,
+                         s3r_config=config)
+    assert torch.equal(out, dense)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled_frames, "a second call recompiled"
+    # The model's own forward (training, plain generate) is eager again.
+    assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))
+
+
+def test_compile_layers_needs_transformers_decoder_layers():
+    with pytest.raises(UnsupportedModelError, match="GradientCheckpointingLayer"):
+        decoder_layers(torch.nn.Sequential(torch.nn.Linear(4, 4)))
