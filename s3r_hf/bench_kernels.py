@@ -46,8 +46,10 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (ms / 1e3)
 
 
-def _paged_setup(batch: int, seq: int, page_size: int, dtype: torch.dtype, generator: torch.Generator):
-    heads, kv_heads, dim = SHAPE["num_heads"], SHAPE["num_kv_heads"], SHAPE["head_dim"]
+def _paged_setup(
+    batch: int, seq: int, page_size: int, dtype: torch.dtype, generator: torch.Generator, shape: dict = SHAPE
+):
+    heads, kv_heads, dim = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
     pages_per = math.ceil((seq + 8) / page_size)
     num_pages = batch * pages_per
     key_pool = torch.randn(num_pages, page_size, kv_heads, dim, device="cuda", dtype=dtype, generator=generator)

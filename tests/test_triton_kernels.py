@@ -39,9 +39,19 @@ def key_splits(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def poisoned_score_scratch(monkeypatch):
+    """The verify-score scratch is not initialised: fill it with NaN so a read of an unwritten entry shows."""
+    monkeypatch.setattr(
+        triton_backend, "_score_scratch",
+        lambda shape, device: torch.full(shape, float("nan"), dtype=torch.float32, device=device),
+    )
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
 @pytest.mark.parametrize("scored", [False, True])
+@pytest.mark.usefixtures("poisoned_score_scratch")
 def test_dense_attention_matches_reference(page_size, group, scored, key_splits):
     generator = torch.Generator().manual_seed(page_size * 10 + group)
     num_kv_heads, head_dim = 2, 16

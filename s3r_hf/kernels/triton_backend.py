@@ -134,13 +134,17 @@ def paged_sparse_attention(
         lse.stride(0), lse.stride(1),
         scale, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=64,
-        PRECISION=_dot_precision(query.dtype),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
+        **SPARSE_LAUNCH,
     )
     merged, merged_lse = _merge_splits(out, lse)
     return merged.to(query.dtype), merged_lse
 
 
+# Launch settings: keys per loop iteration, warps, software-pipeline stages (`tools/tune_kernels.py` times
+# alternatives at the benchmark shapes).
+DENSE_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+SPARSE_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # Enough programs to fill the GPU several times over (132 SMs on an H100/H200).
 _TARGET_PROGRAMS = 528
 # Splitting pays only for long key ranges: the merge costs a few small kernels (H200, 2026-11-29: at B=16 a
@@ -153,6 +157,11 @@ def _num_splits(programs: int, keys: int, min_keys: int) -> int:
     if programs >= _TARGET_PROGRAMS:
         return 1
     return max(1, min(-(-_TARGET_PROGRAMS // max(programs, 1)), -(-keys // min_keys)))
+
+
+def _score_scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The verify-score logits, left uninitialised: the kernel writes every entry the reduction reads."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def _unit_stride(query: torch.Tensor) -> torch.Tensor:
@@ -300,10 +309,7 @@ def paged_dense_attention(
         if max_scored_queries is None:  # read back from the device (a sync) unless given
             max_scored_queries = int(scored_queries.max())
         max_scored = max(1, max_scored_queries)
-        logits = torch.full(
-            (num_segments, num_kv_heads, max_scored * group, max(max_context, 1)), float("-inf"),
-            dtype=torch.float32, device=query.device,
-        )
+        logits = _score_scratch((num_segments, num_kv_heads, max_scored * group, max(max_context, 1)), query.device)
         kernel_starts = torch.where(starts >= 0, starts, lengths + 1).to(torch.int32).contiguous()
     scratch = logits if logits is not None else positions  # any valid pointer when scores are off
     num_q_blocks = triton.cdiv(max_len, block_m)
@@ -327,19 +333,19 @@ def paged_dense_attention(
         scratch.stride(2) if logits is not None else 0,
         scale, num_q_blocks, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=64, PRECISION=_dot_precision(query.dtype),
+        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype), **DENSE_LAUNCH,
         SCORES=logits is not None,
     )
     merged, lse = _merge_splits(out, lse)
     out = merged.to(query.dtype)
     if logits is None:
         return out, lse, None
-    return out, lse, _reduce_scores(logits, lse, cu_seqlens, score_starts, scored_queries, group)
+    return out, lse, _reduce_scores(logits, lse, cu_seqlens, positions, score_starts, scored_queries, group)
 
 
 @triton.jit
 def _reduce_scores_kernel(
-    logit_ptr, lse_ptr, cu_ptr, start_ptr, count_ptr, out_ptr,
+    logit_ptr, lse_ptr, cu_ptr, pos_ptr, start_ptr, count_ptr, out_ptr,
     stride_gs, stride_gh, stride_gr,
     stride_ln,
     stride_os, stride_oh,
@@ -356,15 +362,17 @@ def _reduce_scores_kernel(
     for row in range(0, rows):
         query = first_query + row // GROUP
         row_lse = tl.load(lse_ptr + query * stride_ln + kv_head * GROUP + row % GROUP)
+        # Only keys the query sees were written (the scratch is not initialised); the others weigh zero.
+        visible = key_ok & (keys <= tl.load(pos_ptr + query))
         logits = tl.load(
             logit_ptr + segment * stride_gs + kv_head * stride_gh + row * stride_gr + keys,
-            mask=key_ok, other=float("-inf"),
+            mask=visible, other=float("-inf"),
         )
         acc += tl.exp(logits - row_lse)
     tl.store(out_ptr + segment * stride_os + kv_head * stride_oh + keys, acc / tl.maximum(rows, 1), mask=key_ok)
 
 
-def _reduce_scores(logits, lse, cu_seqlens, score_starts, scored_queries, group) -> torch.Tensor:
+def _reduce_scores(logits, lse, cu_seqlens, positions, score_starts, scored_queries, group) -> torch.Tensor:
     """Mean softmax weight per key position from the scored rows' logits and their saved LSE.
 
     One pass over the logit scratch (a few rows per segment), never over K: each program owns a block of key
@@ -374,7 +382,7 @@ def _reduce_scores(logits, lse, cu_seqlens, score_starts, scored_queries, group)
     scores = torch.empty(num_segments, num_kv_heads, length, dtype=torch.float32, device=logits.device)
     block = 256
     _reduce_scores_kernel[(num_segments, num_kv_heads, triton.cdiv(length, block))](
-        logits, lse, cu_seqlens.to(torch.int32).contiguous(), score_starts.to(torch.int32).contiguous(),
+        logits, lse, cu_seqlens.to(torch.int32).contiguous(), positions, score_starts.to(torch.int32).contiguous(),
         scored_queries.to(torch.int32).contiguous(), scores,
         logits.stride(0), logits.stride(1), logits.stride(2),
         lse.stride(0),

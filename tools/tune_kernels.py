@@ -1,0 +1,121 @@
+"""Time launch settings of the Triton attention kernels at the benchmark shapes (GPU only).
+
+    python tools/tune_kernels.py [--json PATH]
+
+For the SmolLM2-135M shape (9 query heads, 3 KV heads, head dim 64) at B=64, S=4K and 7.7K, and the
+Qwen3-1.7B shape (16/8 heads, head dim 128) at B=64, S=8K, it times one layer of dense decode, the scored verify
+block (7 queries per request, the score reduction included) and sparse decode over a 5% index view, for every
+combination of key splits and launch settings (`DENSE_LAUNCH` / `SPARSE_LAUNCH` in `triton_backend`). Each
+variant's output is compared with the default's, so a setting that changes results shows up. The floor is
+the K/V bytes the kernel must read at the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+
+import torch
+
+from s3r_hf.bench_kernels import _paged_setup, _time_ms, copy_bandwidth
+from s3r_hf.kernels import triton_backend
+
+SHAPES = {
+    "smollm2-135m": dict(num_heads=9, num_kv_heads=3, head_dim=64),
+    "qwen3-1.7b": dict(num_heads=16, num_kv_heads=8, head_dim=128),
+}
+POINTS = [("smollm2-135m", 64, 4096), ("smollm2-135m", 64, 7680), ("qwen3-1.7b", 64, 8192)]
+LAUNCHES = [
+    {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},  # the default first: the others are compared with it
+    {"BLOCK_N": 32, "num_warps": 2, "num_stages": 3},
+    {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3},
+    {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+]
+BLOCK = 7  # verify queries per request (draft_len 6 + 1)
+
+
+def tune_point(name: str, batch: int, seq: int, bandwidth: float, generator: torch.Generator) -> dict:
+    shape = SHAPES[name]
+    key_pool, value_pool, tables, heads, kv_heads, dim = _paged_setup(
+        batch, seq, 16, torch.bfloat16, generator, shape
+    )
+    scale = dim**-0.5
+    kv_bytes = 2 * batch * seq * kv_heads * dim * key_pool.element_size()
+    budget = math.ceil(0.05 * seq)
+    q1 = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    cu1 = torch.arange(batch + 1, device="cuda")
+    pos1 = torch.full((batch,), seq - 1, device="cuda")
+    qv = torch.randn(batch * BLOCK, heads, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    cuv = torch.arange(0, batch * BLOCK + 1, BLOCK, device="cuda")
+    posv = torch.cat([torch.arange(seq - BLOCK, seq) for _ in range(batch)]).cuda()
+    starts = torch.zeros(batch, dtype=torch.long, device="cuda")
+    view = torch.stack([
+        torch.randperm(seq - BLOCK, device="cuda", generator=generator)[:budget].sort().values
+        for _ in range(batch * kv_heads)
+    ]).view(batch, kv_heads, budget).int()
+    lens = torch.full((batch,), budget, device="cuda")
+    tails = torch.full((batch,), seq - BLOCK, device="cuda")
+    pos_s = tails + 2
+
+    kernels = {
+        "dense": (lambda splits: triton_backend.paged_dense_attention(
+            q1, key_pool, value_pool, tables, cu1, pos1, scale, max_query_len=1, max_context=seq,
+            num_splits=splits)[0], (1, 2, 4), kv_bytes),
+        "verify": (lambda splits: triton_backend.paged_dense_attention(
+            qv, key_pool, value_pool, tables, cuv, posv, scale, starts, max_query_len=BLOCK, max_context=seq,
+            max_scored_queries=BLOCK, num_splits=splits)[2], (1, 2, 4), kv_bytes),
+        "sparse": (lambda splits: triton_backend.paged_sparse_attention(
+            q1, key_pool, value_pool, tables, view, lens, tails, pos_s, scale, max_keys=budget + 3,
+            num_splits=splits)[0], (1, 2), kv_bytes * budget / seq),
+    }
+    results = {"model": name, "batch": batch, "seq": seq, "floor_ms": kv_bytes / bandwidth * 1e3, "kernels": {}}
+    for kernel, (run, split_options, bytes_read) in kernels.items():
+        setting = triton_backend.SPARSE_LAUNCH if kernel == "sparse" else triton_backend.DENSE_LAUNCH
+        default = dict(setting)
+        baseline = None
+        rows = []
+        for launch, splits in itertools.product(LAUNCHES, split_options):
+            setting.clear()
+            setting.update(launch)
+            try:
+                output = run(splits)
+                if baseline is None:
+                    baseline = output.float()
+                diff = float((output.float() - baseline).abs().max())
+                ms = _time_ms(lambda run=run, splits=splits: run(splits))
+            finally:
+                setting.clear()
+                setting.update(default)
+            rows.append({**launch, "splits": splits, "ms": ms, "max_abs_diff_vs_default": diff})
+        rows.sort(key=lambda row: row["ms"])
+        results["kernels"][kernel] = {"floor_ms": bytes_read / bandwidth * 1e3, "variants": rows}
+        best, default_row = rows[0], next(r for r in rows if r["splits"] == 1 and r.items() >= default.items())
+        print(f"{name} B={batch} S={seq} {kernel:>6}: floor {bytes_read / bandwidth * 1e3:.3f} ms, default "
+              f"{default_row['ms']:.3f} ms, best {best['ms']:.3f} ms with {best}")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_kernels needs a CUDA GPU")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    bandwidth = copy_bandwidth()
+    results = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9, "points": []}
+    for name, batch, seq in POINTS:
+        results["points"].append(tune_point(name, batch, seq, bandwidth, generator))
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
