@@ -5,7 +5,8 @@
 For the SmolLM2-135M shape (9 query heads, 3 KV heads, head dim 64) at B=64, S=4K and 7.7K, and the
 Qwen3-1.7B shape (16/8 heads, head dim 128) at B=64, S=8K, it times one layer of dense decode, the scored verify
 block (7 queries per request, the score reduction included) and sparse decode over a 5% index view, for every
-combination of key splits and launch settings (`DENSE_LAUNCH` / `SPARSE_LAUNCH` in `triton_backend`). Each
+combination of key splits and launch settings (`DENSE_LAUNCH` / `SPARSE_LAUNCH` in `triton_backend`), each
+replayed from a CUDA graph as the engine runs it. Each
 variant's output is compared with the default's, so a setting that changes results shows up. The floor is
 the K/V bytes the kernel must read at the measured copy bandwidth.
 """
@@ -19,7 +20,7 @@ import math
 
 import torch
 
-from s3r_hf.bench_kernels import _paged_setup, _time_ms, copy_bandwidth
+from s3r_hf.bench_kernels import _paged_setup, copy_bandwidth
 from s3r_hf.kernels import triton_backend
 
 SHAPES = {
@@ -37,6 +38,28 @@ LAUNCHES = [
     {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
 ]
 BLOCK = 7  # verify queries per request (draft_len 6 + 1)
+
+
+def _graph_ms(fn, repeats: int = 20) -> float:
+    """Mean time of `fn` replayed from a CUDA graph, as the engine runs it: no host launch cost is counted (an
+    eager timing of a 0.1 ms kernel measures mostly its Python launch)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
 
 
 def tune_point(name: str, batch: int, seq: int, bandwidth: float, generator: torch.Generator) -> dict:
@@ -65,13 +88,13 @@ def tune_point(name: str, batch: int, seq: int, bandwidth: float, generator: tor
     kernels = {
         "dense": (lambda splits: triton_backend.paged_dense_attention(
             q1, key_pool, value_pool, tables, cu1, pos1, scale, max_query_len=1, max_context=seq,
-            num_splits=splits)[0], (1, 2, 4), kv_bytes),
+            num_splits=splits)[0], (1, 2, 4, 8), kv_bytes),
         "verify": (lambda splits: triton_backend.paged_dense_attention(
             qv, key_pool, value_pool, tables, cuv, posv, scale, starts, max_query_len=BLOCK, max_context=seq,
-            max_scored_queries=BLOCK, num_splits=splits)[2], (1, 2, 4), kv_bytes),
+            max_scored_queries=BLOCK, num_splits=splits)[2], (1, 2, 4, 8), kv_bytes),
         "sparse": (lambda splits: triton_backend.paged_sparse_attention(
             q1, key_pool, value_pool, tables, view, lens, tails, pos_s, scale, max_keys=budget + 3,
-            num_splits=splits)[0], (1, 2), kv_bytes * budget / seq),
+            num_splits=splits)[0], (1, 2, 4), kv_bytes * budget / seq),
     }
     results = {"model": name, "batch": batch, "seq": seq, "floor_ms": kv_bytes / bandwidth * 1e3, "kernels": {}}
     for kernel, (run, split_options, bytes_read) in kernels.items():
@@ -87,7 +110,7 @@ def tune_point(name: str, batch: int, seq: int, bandwidth: float, generator: tor
                 if baseline is None:
                     baseline = output.float()
                 diff = float((output.float() - baseline).abs().max())
-                ms = _time_ms(lambda run=run, splits=splits: run(splits))
+                ms = _graph_ms(lambda run=run, splits=splits: run(splits))
             finally:
                 setting.clear()
                 setting.update(default)
