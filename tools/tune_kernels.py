@@ -5,9 +5,9 @@
 For the SmolLM2-135M shape (9 query heads, 3 KV heads, head dim 64) at B=64, S=4K and 7.7K, and the
 Qwen3-1.7B shape (16/8 heads, head dim 128) at B=64, S=8K, it times one layer of dense decode, the scored verify
 block (7 queries per request, the score reduction included) and sparse decode over a 5% index view, for every
-combination of key splits and launch settings (`DENSE_LAUNCH` / `SPARSE_LAUNCH` in `triton_backend`), each
-replayed from a CUDA graph as the engine runs it. Each
-variant's output is compared with the default's, so a setting that changes results shows up. The floor is
+combination of key splits and launch settings (`triton_backend.launch_settings` chooses one), each replayed from
+a CUDA graph as the engine runs it. Each variant's output is compared with the chosen setting's, so a setting
+that changes results shows up. The floor is
 the K/V bytes the kernel must read at the measured copy bandwidth.
 """
 
@@ -29,7 +29,7 @@ SHAPES = {
 }
 POINTS = [("smollm2-135m", 64, 4096), ("smollm2-135m", 64, 7680), ("qwen3-1.7b", 64, 8192)]
 LAUNCHES = [
-    {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},  # the default first: the others are compared with it
+    {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     {"BLOCK_N": 32, "num_warps": 2, "num_stages": 3},
     {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3},
@@ -97,14 +97,13 @@ def tune_point(name: str, batch: int, seq: int, bandwidth: float, generator: tor
             num_splits=splits)[0], (1, 2, 4), kv_bytes * budget / seq),
     }
     results = {"model": name, "batch": batch, "seq": seq, "floor_ms": kv_bytes / bandwidth * 1e3, "kernels": {}}
+    chosen = triton_backend.launch_settings
     for kernel, (run, split_options, bytes_read) in kernels.items():
-        setting = triton_backend.SPARSE_LAUNCH if kernel == "sparse" else triton_backend.DENSE_LAUNCH
-        default = dict(setting)
+        default = chosen(dim, scored=kernel == "verify")
         baseline = None
         rows = []
-        for launch, splits in itertools.product(LAUNCHES, split_options):
-            setting.clear()
-            setting.update(launch)
+        for launch, splits in itertools.product([default] + [v for v in LAUNCHES if v != default], split_options):
+            triton_backend.launch_settings = lambda head_dim, scored=False, launch=launch: launch
             try:
                 output = run(splits)
                 if baseline is None:
@@ -112,14 +111,14 @@ def tune_point(name: str, batch: int, seq: int, bandwidth: float, generator: tor
                 diff = float((output.float() - baseline).abs().max())
                 ms = _graph_ms(lambda run=run, splits=splits: run(splits))
             finally:
-                setting.clear()
-                setting.update(default)
-            rows.append({**launch, "splits": splits, "ms": ms, "max_abs_diff_vs_default": diff})
+                triton_backend.launch_settings = chosen
+            rows.append({**launch, "splits": splits, "ms": ms, "max_abs_diff_vs_chosen": diff})
         rows.sort(key=lambda row: row["ms"])
-        results["kernels"][kernel] = {"floor_ms": bytes_read / bandwidth * 1e3, "variants": rows}
-        best, default_row = rows[0], next(r for r in rows if r["splits"] == 1 and r.items() >= default.items())
-        print(f"{name} B={batch} S={seq} {kernel:>6}: floor {bytes_read / bandwidth * 1e3:.3f} ms, default "
-              f"{default_row['ms']:.3f} ms, best {best['ms']:.3f} ms with {best}")
+        results["kernels"][kernel] = {"floor_ms": bytes_read / bandwidth * 1e3, "chosen": default, "variants": rows}
+        best = rows[0]
+        chosen_row = next(r for r in rows if r["splits"] == 1 and r.items() >= default.items())
+        print(f"{name} B={batch} S={seq} {kernel:>6}: floor {bytes_read / bandwidth * 1e3:.3f} ms, chosen "
+              f"{chosen_row['ms']:.3f} ms, best {best['ms']:.3f} ms with {best}")
     return results
 
 

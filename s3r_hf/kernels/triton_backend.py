@@ -135,16 +135,26 @@ def paged_sparse_attention(
         scale, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
-        **SPARSE_LAUNCH,
+        **launch_settings(head_dim),
     )
     merged, merged_lse = _merge_splits(out, lse)
     return merged.to(query.dtype), merged_lse
 
 
-# Launch settings: keys per loop iteration, warps, software-pipeline stages (`tools/tune_kernels.py` times
-# alternatives at the benchmark shapes).
-DENSE_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-SPARSE_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+
+
+def launch_settings(head_dim: int, scored: bool = False) -> dict:
+    """Keys per loop iteration, warps and software-pipeline stages of the attention kernels.
+
+    Chosen from CUDA-graph timings on the H200 (`tools/tune_kernels.py`, docs/benchmarks.md): a K tile of 8K
+    elements per iteration (128 keys of a 64-wide head, 64 of a 128-wide one; never more than 128 keys) with four
+    warps; a scored verify block with 128-wide heads runs faster with two pipeline stages.
+    """
+    stages = 2 if scored and head_dim > 64 else 3
+    block_n = min(128, max(16, 8192 // triton.next_power_of_2(head_dim)))
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": stages}
+
+
 # Enough programs to fill the GPU several times over (132 SMs on an H100/H200).
 _TARGET_PROGRAMS = 528
 # Splitting pays only for long key ranges: the merge costs a few small kernels (H200, 2026-11-29: at B=16 a
@@ -333,7 +343,8 @@ def paged_dense_attention(
         scratch.stride(2) if logits is not None else 0,
         scale, num_q_blocks, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype), **DENSE_LAUNCH,
+        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
+        **launch_settings(head_dim, scored=logits is not None),
         SCORES=logits is not None,
     )
     merged, lse = _merge_splits(out, lse)
