@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from s3r_hf.cli import main
 
 
@@ -26,3 +28,18 @@ def test_bench_runs_and_greedy_s3r_matches_ar(tmp_path, capsys):
         assert point["hf_generate"]["tokens_per_s"] > 0
     assert plot_path.stat().st_size > 0
     assert "engine AR" in capsys.readouterr().out
+
+
+def test_greedy_agreement_reports_where_rows_part():
+    from s3r_hf.bench import greedy_agreement
+
+    ar = torch.tensor([[9, 9, 1, 2, 3, 4], [9, 9, 5, 6, 7, 8], [9, 9, 1, 1, 1, 1]])
+    assert greedy_agreement(ar.clone(), ar, prompt_len=2) == {
+        "greedy_matches_ar": True, "greedy_rows_differing": 0, "greedy_first_divergence": None,
+    }
+    s3r = ar.clone()
+    s3r[0, 4:] = 0  # row 0 parts at generated token 2, row 2 at token 3
+    s3r[2, 5] = 0
+    assert greedy_agreement(s3r, ar, prompt_len=2) == {
+        "greedy_matches_ar": False, "greedy_rows_differing": 2, "greedy_first_divergence": 2,
+    }
