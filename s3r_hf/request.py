@@ -66,7 +66,12 @@ class Request:
         """Tokens of K/V this request keeps (prompt while prefilling, committed context after)."""
         return max(self.prefilled, self.committed)
 
+    def __post_init__(self) -> None:
+        # A NumPy view of the CPU token buffer: writing one entry through it costs ~0.3 µs against ~6 µs for a
+        # torch tensor item assignment, and the commit loop writes every generated token of every request.
+        self._token_array = self.tokens.numpy()
+
     def append(self, token: int) -> None:
-        self.tokens[self.length] = token
+        self._token_array[self.length] = token
         self.length += 1
         self.generated.append(token)

@@ -141,8 +141,6 @@ def paged_sparse_attention(
     return merged.to(query.dtype), merged_lse
 
 
-
-
 def launch_settings(head_dim: int, scored: bool = False) -> dict:
     """Keys per loop iteration, warps and software-pipeline stages of the attention kernels.
 
