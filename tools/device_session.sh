@@ -6,8 +6,11 @@
 #
 #   (every stage also carries .data: a copy of ../shared/data/math_train.json, which does not travel)
 #   stage 1  carry .models/smol.gguf.partaa .whl/test (pytest) .whl/small/gguf*: CUDA tests (Triton, graphs,
-#            sampling exactness), kernel bench, Qwen3-1.7B-shape engine bench
-#   stage 2  carry .models/smol.gguf.partab .whl/small: SmolLM2-135M real-text bench (bf16 speed, fp32 exactness)
+#            compiled layers, sampling exactness), kernel bench (KERNELS=1), graph-timed launch-setting sweep
+#            (TUNE=1), Qwen3-1.7B-shape engine bench (QWEN_ARGS, default --compile-layers)
+#   stage 2  carry .models/smol.gguf.partab .whl/small: SmolLM2-135M real-text bench (bf16 speed, SMOL_ARGS,
+#            default --compile-layers; fp32 exactness with FP32=1). The machine is released after 30 s idle:
+#            when stage 1 ran earlier, a quick call that only copies partaa to /root/smol must come first.
 #   stage 3  carry .whl/big (pyarrow, pandas): GRPO rollouts (S3R vs TRL generation), tools/bench_grpo.py
 #            (plot locally: python tools/bench_grpo.py --from-json grpo.json --plot grpo.png)
 #
@@ -36,9 +39,13 @@ case $stage in
     log kernels
     timeout 100 python3 -m s3r_hf.bench_kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
   fi
+  if [ "${TUNE:-0}" = 1 ]; then
+    log kernel launch settings, graph-timed
+    timeout 200 python3 tools/tune_kernels.py --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log"
+  fi
   log qwen3-1.7b engine, stages
   timeout 170 python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 64 --seq ${QWEN_SEQ:-4096,8192} --max-new-tokens 160 \
-    --acceptance 0.8 --skip-generate --cuda-graphs --stages ${QWEN_ARGS:-} --json "$OUT/qwen.json" 2>&1 | tee "$OUT/qwen.log"
+    --acceptance 0.8 --skip-generate --cuda-graphs --stages ${QWEN_ARGS:---compile-layers} --json "$OUT/qwen.json" 2>&1 | tee "$OUT/qwen.log"
   ;;
 2)
   install_wheels .whl/small/*.whl
@@ -47,12 +54,12 @@ case $stage in
   smol=/root/smol/SmolLM2-135M-Instruct.Q4_1.gguf
   log smollm2 bf16
   timeout 300 python3 -m s3r_hf.cli bench --model $smol --data .data/math_train.json --batch 64 --seq 4096,7680 \
-    --max-new-tokens 256 --budget 0.05,0.1 --min-budget 64 --cuda-graphs --stages ${SMOL_ARGS:-} \
+    --max-new-tokens 256 --budget 0.05,0.1 --min-budget 64 --cuda-graphs --stages ${SMOL_ARGS:---compile-layers} \
     --json "$OUT/smol.json" --plot "$OUT/smol.png" 2>&1 | tee "$OUT/smol.log"
   if [ "${FP32:-0}" = 1 ]; then
     log smollm2 fp32 exactness
     timeout 150 python3 -m s3r_hf.cli bench --model $smol --data .data/math_train.json --batch 64 --seq 4096 \
-      --max-new-tokens 64 --min-budget 64 --dtype float32 --cuda-graphs --skip-generate \
+      --max-new-tokens 48 --budget 0.05 --min-budget 64 --dtype float32 --cuda-graphs --compile-layers --skip-generate \
       --json "$OUT/smol_fp32.json" 2>&1 | tee "$OUT/smol_fp32.log"
   fi
   log profile
