@@ -27,9 +27,6 @@ class DenseSegments:
     max_context: int  # longest context, the last query's position + 1
     max_scored_queries: int = 0  # most scored queries of any segment (sizes the verify-score scratch)
     num_splits: int | None = None  # fixed key split (CUDA-graph steps); None lets the kernel choose
-    # Every layer's index views of `slots`, gathered once per forward by the engine (not once per layer).
-    views: torch.Tensor | None = None  # [num_layers, Ns, Hkv, view_width] int32
-    view_lens: torch.Tensor | None = None  # [Ns] int32
 
 
 @dataclass
@@ -44,6 +41,9 @@ class SparseQueries:
     view_width: int  # longest index view among the queries' requests (host int)
     max_keys: int  # longest view + provisional tail (host int)
     num_splits: int | None = None  # fixed key split (CUDA-graph steps); None lets the kernel choose
+    # Every layer's index views of `slots`, gathered once per forward by the engine (not once per layer).
+    views: torch.Tensor | None = None  # [num_layers, Ns, Hkv, view_width] int32
+    view_lens: torch.Tensor | None = None  # [Ns] int32
 
 
 @dataclass
