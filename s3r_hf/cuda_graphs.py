@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -246,22 +247,29 @@ class DecodeGraphs:
             target.tail_starts[count:].zero_()
 
     def _capture(self, program: Callable):
-        """Capture `program()` (after one warm-up run) and return `(graph, its outputs)`.
+        """Capture `program()` (after one warm-up run, see `capture_graph`) and return `(graph, its outputs)`.
 
-        The warm-up runs on a side stream (Triton compiles, the allocator settles) with the same inputs the
-        replay will see, so the K/V it writes are the ones the replay writes again.
+        The warm-up sees the same inputs the replay will see, so the K/V it writes are the ones the replay writes
+        again.
         """
         torch.cuda.synchronize()
         started = time.perf_counter()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            program()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = program()
+        graph, outputs = capture_graph(program, pool=self.pool)
         torch.cuda.synchronize()
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started
         return graph, outputs
+
+
+def capture_graph(program: Callable, pool=None) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """`(graph, outputs)` of `program()` captured as a CUDA graph, after one warm-up run on a side stream (Triton
+    kernels and compiled layers compile there, the allocator settles) so the capture records only replayable work."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        program()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = program()
+    return graph, outputs

@@ -21,6 +21,7 @@ import math
 import torch
 
 from s3r_hf.bench_kernels import _paged_setup, copy_bandwidth
+from s3r_hf.cuda_graphs import capture_graph
 from s3r_hf.kernels import triton_backend
 
 SHAPES = {
@@ -43,14 +44,7 @@ BLOCK = 7  # verify queries per request (draft_len 6 + 1)
 def _graph_ms(fn, repeats: int = 20) -> float:
     """Mean time of `fn` replayed from a CUDA graph, as the engine runs it: no host launch cost is counted (an
     eager timing of a 0.1 ms kernel measures mostly its Python launch)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = capture_graph(fn)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
