@@ -351,7 +351,7 @@ class S3REngine:
             max_scored_queries=max((end - start - first for (_, start, end, _), first in zip(chunks, scored)
                                     if first >= 0), default=0),
         )
-        plan = StepPlan(write_index=self._tensor(write), position_ids=self._tensor(positions)[None], dense=dense)
+        plan = StepPlan(write_index=self._tensor(write), position_ids=dense.positions.long()[None], dense=dense)
         finals = [i for i, (_, _, _, final) in enumerate(chunks) if final]
         keep = self._tensor([cu[i + 1] - 1 for i in finals])
         logits = self._forward(tokens, plan, keep=keep)
@@ -500,7 +500,7 @@ class S3REngine:
             view_width=max(r.view_len for r in requests),
             max_keys=max(r.view_len for r in requests) + step + 1,
         )
-        plan = StepPlan(write_index=self._tensor(write), position_ids=self._tensor(positions)[None], sparse=sparse)
+        plan = StepPlan(write_index=self._tensor(write), position_ids=sparse.positions.long()[None], sparse=sparse)
         logits = self._forward(tokens, plan, bucket_floor=round_size)
         history_free = self.sampling.logits_processor.history_free
         histories = [] if history_free else [r.tokens[: r.length + step] for r in requests]
@@ -540,7 +540,7 @@ class S3REngine:
             max_context=max(r.committed + k + 1 for r, k in zip(requests, draft_counts)),
             max_scored_queries=max(draft_counts) + 1,
         )
-        plan = StepPlan(write_index=self._tensor(write), position_ids=self._tensor(positions)[None], dense=dense)
+        plan = StepPlan(write_index=self._tensor(write), position_ids=dense.positions.long()[None], dense=dense)
         logits = self._forward(tokens, plan)
         rows, histories = [], []
         if not self.sampling.logits_processor.history_free:
