@@ -1,14 +1,14 @@
 """Time launch settings of the Triton attention kernels at the benchmark shapes (GPU only).
 
-    python tools/tune_kernels.py [--json PATH]
+    python tools/tune_kernels.py [--json PATH] [--chosen-only]
 
 For the SmolLM2-135M shape (9 query heads, 3 KV heads, head dim 64) at B=64, S=4K and 7.7K, and the
 Qwen3-1.7B shape (16/8 heads, head dim 128) at B=64, S=8K, it times one layer of dense decode, the scored verify
-block (7 queries per request, the score reduction included) and sparse decode over a 5% index view, for every
-combination of key splits and launch settings (`triton_backend.launch_settings` chooses one), each replayed from
-a CUDA graph as the engine runs it. Each variant's output is compared with the chosen setting's, so a setting
-that changes results shows up. The floor is
-the K/V bytes the kernel must read at the measured copy bandwidth.
+block (7 queries per request, the score reduction included), the same block unscored, and sparse decode over a 5%
+index view, for every combination of key splits and launch settings (`triton_backend.launch_settings` chooses
+one; `--chosen-only` times just that one), each replayed from a CUDA graph as the engine runs it. Each variant's
+output is compared with the chosen setting's, so a setting that changes results shows up. The floor is the K/V
+bytes the kernel must read at the measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ def _graph_ms(fn, repeats: int = 20) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def tune_point(name: str, batch: int, seq: int, bandwidth: float, generator: torch.Generator) -> dict:
+def tune_point(
+    name: str, batch: int, seq: int, bandwidth: float, generator: torch.Generator, chosen_only: bool = False
+) -> dict:
     shape = SHAPES[name]
     key_pool, value_pool, tables, heads, kv_heads, dim = _paged_setup(
         batch, seq, 16, torch.bfloat16, generator, shape
@@ -86,6 +88,10 @@ def tune_point(name: str, batch: int, seq: int, bandwidth: float, generator: tor
         "verify": (lambda splits: triton_backend.paged_dense_attention(
             qv, key_pool, value_pool, tables, cuv, posv, scale, starts, max_query_len=BLOCK, max_context=seq,
             max_scored_queries=BLOCK, num_splits=splits)[2], (1, 2, 4, 8), kv_bytes),
+        # The same block without scores: what the score material costs the verify.
+        "verify-unscored": (lambda splits: triton_backend.paged_dense_attention(
+            qv, key_pool, value_pool, tables, cuv, posv, scale, max_query_len=BLOCK, max_context=seq,
+            num_splits=splits)[0], (1, 2, 4, 8), kv_bytes),
         "sparse": (lambda splits: triton_backend.paged_sparse_attention(
             q1, key_pool, value_pool, tables, view, lens, tails, pos_s, scale, max_keys=budget + 3,
             num_splits=splits)[0], (1, 2, 4), kv_bytes * budget / seq),
@@ -96,7 +102,8 @@ def tune_point(name: str, batch: int, seq: int, bandwidth: float, generator: tor
         default = chosen(dim, scored=kernel == "verify")
         baseline = None
         rows = []
-        for launch, splits in itertools.product([default] + [v for v in LAUNCHES if v != default], split_options):
+        launches = [default] + ([] if chosen_only else [v for v in LAUNCHES if v != default])
+        for launch, splits in itertools.product(launches, split_options):
             triton_backend.launch_settings = lambda head_dim, scored=False, launch=launch: launch
             try:
                 output = run(splits)
@@ -119,6 +126,8 @@ def tune_point(name: str, batch: int, seq: int, bandwidth: float, generator: tor
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
+    parser.add_argument("--chosen-only", action="store_true",
+                        help="time only the settings launch_settings chooses (every split count), not the sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_kernels needs a CUDA GPU")
@@ -126,7 +135,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9, "points": []}
     for name, batch, seq in POINTS:
-        results["points"].append(tune_point(name, batch, seq, bandwidth, generator))
+        results["points"].append(tune_point(name, batch, seq, bandwidth, generator, args.chosen_only))
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as handle:
