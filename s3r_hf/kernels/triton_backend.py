@@ -5,10 +5,10 @@
 - `paged_dense_attention`: one program per (segment, KV head, query block) of the packed varlen batch; the
   query block's rows are (query, GQA head) pairs so each K/V row read serves the whole group. For scored
   segments the kernel also keeps, while it streams K once, each scored row's softmax weights relative to the
-  row's running max (16-bit, in [0, 1]) and that max per key block; once a row's lse is known the verify score
-  of a key is the mean over scored rows of `weight * exp(block_max - lse)`. When one program holds a segment's
-  every scored row and all of its keys (a verify block, unsplit) it does that reduction itself, from the weights
-  it has just written (mostly still in L2); otherwise a second small kernel does.
+  row's running max (16-bit, in [0, 1]) and that max per key block; a second small kernel then averages
+  `weight * exp(block_max - lse)` over the scored rows per key position, without touching K again. (Doing that
+  reduction inside the attention program instead was slower on the H200: it serialises a second pass over the
+  keys in the ~200 programs a verify step has, where the separate kernel spreads it over thousands.)
 - `select_topk_candidates`: `torch.topk` on the GPU.
 
 Run on CPU tensors under `TRITON_INTERPRET=1` (CI) and on CUDA.
@@ -202,7 +202,6 @@ def _merge_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, t
 @triton.jit
 def _dense_varlen_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, pos_ptr, out_ptr, lse_ptr, weight_ptr, block_max_ptr, score_start_ptr,
-    score_ptr,
     stride_qn, stride_qh,
     stride_kp, stride_ko, stride_kh,
     stride_bts,
@@ -210,11 +209,10 @@ def _dense_varlen_kernel(
     stride_ls, stride_ln,
     stride_ws, stride_wh, stride_wr,
     stride_ms, stride_mh, stride_mr,
-    stride_ss, stride_sh,
-    scale, num_q_blocks, keys_per_split, score_len,
+    scale, num_q_blocks, keys_per_split,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    SCORES: tl.constexpr, REDUCE_SCORES: tl.constexpr,
+    SCORES: tl.constexpr,
 ):
     segment = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -275,21 +273,7 @@ def _dense_varlen_kernel(
             out_ptr + o_offsets, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & dim_ok[None, :],
         )
-        lse = m_i + tl.log(l_i)
-        tl.store(lse_ptr + split * stride_ls + query * stride_ln + heads, lse, mask=row_ok)
-        if REDUCE_SCORES:  # this program holds every scored row of the segment and all its keys
-            num_scored = tl.sum(scored.to(tl.int32), 0)
-            # The weights were stored by other threads of this program: wait until all of them are visible.
-            tl.debug_barrier()
-            for start in range(0, score_len, BLOCK_N):
-                key_pos = start + tl.arange(0, BLOCK_N)
-                seen = scored[:, None] & (key_pos[None, :] <= q_pos[:, None])  # entries the loop above wrote
-                weights = tl.load(weight_rows[:, None] + key_pos[None, :], mask=seen, other=0.0).to(tl.float32)
-                block_max = tl.load(block_max_rows + start // BLOCK_N, mask=scored & (q_pos >= start), other=0.0)
-                rescale = tl.where(scored, tl.exp(block_max - lse), 0.0)  # <= 1: a block's max never exceeds lse
-                total = tl.sum(weights * rescale[:, None], 0)
-                tl.store(score_ptr + segment * stride_ss + kv_head * stride_sh + key_pos,
-                         total / tl.maximum(num_scored, 1), mask=key_pos < score_len)
+        tl.store(lse_ptr + split * stride_ls + query * stride_ln + heads, m_i + tl.log(l_i), mask=row_ok)
 
 
 def paged_dense_attention(
@@ -343,8 +327,7 @@ def paged_dense_attention(
     # Splits start on key-block boundaries, so the score material is indexed by `key // BLOCK_N` alone.
     keys_per_split = triton.cdiv(triton.cdiv(max_context, splits), block_n) * block_n
     score_len = max(max_context, 1)
-    reduce_in_kernel = scored and splits == 1 and num_q_blocks == 1
-    weights = block_max = scores = None
+    weights = block_max = None
     if scored:
         starts = score_starts.long()
         scored_queries = torch.where(starts >= 0, lengths - starts, torch.zeros_like(lengths)).clamp(min=0)
@@ -356,8 +339,6 @@ def paged_dense_attention(
         block_max = _score_scratch((num_segments, num_kv_heads, scored_rows, triton.cdiv(score_len, block_n)),
                                    torch.float32, query.device)
         kernel_starts = torch.where(starts >= 0, starts, lengths + 1).to(torch.int32).contiguous()
-        if reduce_in_kernel:  # zeros: an empty segment's program returns before it reduces
-            scores = torch.zeros(num_segments, num_kv_heads, score_len, dtype=torch.float32, device=query.device)
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     placeholder = positions  # any valid pointer for the score arguments a launch does not use
@@ -365,7 +346,7 @@ def paged_dense_attention(
     _dense_varlen_kernel[grid](
         query, key_pool, value_pool, block_tables, cu, positions, out, lse,
         *(t if t is not None else placeholder for t in (weights, block_max)),
-        kernel_starts if scored else cu, scores if scores is not None else placeholder,
+        kernel_starts if scored else cu,
         query.stride(0), query.stride(1),
         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
         block_tables.stride(0),
@@ -373,19 +354,17 @@ def paged_dense_attention(
         lse.stride(0), lse.stride(1),
         *(weights.stride()[:3] if scored else (0, 0, 0)),
         *(block_max.stride()[:3] if scored else (0, 0, 0)),
-        *(scores.stride()[:2] if scores is not None else (0, 0)),
-        scale, num_q_blocks, keys_per_split, score_len,
+        scale, num_q_blocks, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
-        SCORES=scored, REDUCE_SCORES=reduce_in_kernel, **settings,
+        SCORES=scored, **settings,
     )
     merged, lse = _merge_splits(out, lse)
     out = merged.to(query.dtype)
     if not scored:
         return out, lse, None
-    if scores is None:
-        scores = _reduce_scores(weights, block_max, lse, cu_seqlens, positions, score_starts, scored_queries, group,
-                                block_n)
+    scores = _reduce_scores(weights, block_max, lse, cu_seqlens, positions, score_starts, scored_queries, group,
+                            block_n)
     return out, lse, scores
 
 
@@ -427,8 +406,7 @@ def _reduce_scores(
 ) -> torch.Tensor:
     """Mean softmax weight per key position from the scored rows' relative weights, block maxima and final LSE.
 
-    For launches whose scored rows or keys are spread over several programs (prefill chunks, key splits): one
-    pass over the 16-bit weights (a few rows per segment), never over K. Each program owns a block of key
+    One pass over the 16-bit weights (a few rows per segment), never over K: each program owns a block of key
     positions of one (segment, KV head) and sums `weight * exp(block_max - lse)` over the scored rows.
     """
     num_segments, num_kv_heads, _, length = weights.shape
