@@ -4,11 +4,9 @@
   block table directly (no gather copy), online softmax over view + provisional tail.
 - `paged_dense_attention`: one program per (segment, KV head, query block) of the packed varlen batch; the
   query block's rows are (query, GQA head) pairs so each K/V row read serves the whole group. For scored
-  segments the kernel also keeps, while it streams K once, each scored row's softmax weights relative to the
-  row's running max (16-bit, in [0, 1]) and that max per key block; a second small kernel then averages
-  `weight * exp(block_max - lse)` over the scored rows per key position, without touching K again. (Doing that
-  reduction inside the attention program instead was slower on the H200: it serialises a second pass over the
-  keys in the ~200 programs a verify step has, where the separate kernel spreads it over thousands.)
+  segments the kernel also writes the scaled logits of the scored rows (a few rows per verify block) to a
+  scratch buffer while it streams K once; the verify scores are then `exp(logit - lse)` averaged per key
+  position, computed from that buffer without touching K again.
 - `select_topk_candidates`: `torch.topk` on the GPU.
 
 Run on CPU tensors under `TRITON_INTERPRET=1` (CI) and on CUDA.
@@ -169,10 +167,9 @@ def _num_splits(programs: int, keys: int, min_keys: int) -> int:
     return max(1, min(-(-_TARGET_PROGRAMS // max(programs, 1)), -(-keys // min_keys)))
 
 
-def _score_scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Score material (relative weights, block maxima), left uninitialised: the kernel writes every entry the
-    reduction reads."""
-    return torch.empty(shape, dtype=dtype, device=device)
+def _score_scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The verify-score logits, left uninitialised: the kernel writes every entry the reduction reads."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def _unit_stride(query: torch.Tensor) -> torch.Tensor:
@@ -201,14 +198,13 @@ def _merge_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, t
 
 @triton.jit
 def _dense_varlen_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, pos_ptr, out_ptr, lse_ptr, weight_ptr, block_max_ptr, score_start_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, pos_ptr, out_ptr, lse_ptr, logit_ptr, score_start_ptr,
     stride_qn, stride_qh,
     stride_kp, stride_ko, stride_kh,
     stride_bts,
     stride_os, stride_on, stride_oh,
     stride_ls, stride_ln,
-    stride_ws, stride_wh, stride_wr,
-    stride_ms, stride_mh, stride_mr,
+    stride_gs, stride_gh, stride_gr,
     scale, num_q_blocks, keys_per_split,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -232,14 +228,12 @@ def _dense_varlen_kernel(
         q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         q_pos = tl.load(pos_ptr + query, mask=row_ok, other=-1)
         context = tl.max(q_pos, 0) + 1
-        lo = split * keys_per_split  # a multiple of BLOCK_N, so `start // BLOCK_N` numbers the key blocks
+        lo = split * keys_per_split
         hi = tl.minimum(context, lo + keys_per_split)
         if SCORES:
             score_start = tl.load(score_start_ptr + segment)
             scored_row = (query - seg_start - score_start) * GROUP + rows % GROUP
             scored = row_ok & (query - seg_start >= score_start)  # unscored segments carry a start past the end
-            weight_rows = weight_ptr + segment * stride_ws + kv_head * stride_wh + scored_row * stride_wr
-            block_max_rows = block_max_ptr + segment * stride_ms + kv_head * stride_mh + scored_row * stride_mr
 
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
@@ -254,14 +248,13 @@ def _dense_varlen_kernel(
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
             s = tl.where(visible, s, float("-inf"))
+            if SCORES:
+                logit_offsets = segment * stride_gs + kv_head * stride_gh + scored_row[:, None] * stride_gr
+                tl.store(logit_ptr + logit_offsets + key_pos[None, :], s, mask=scored[:, None] & key_ok[None, :])
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see no key at all
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
-            if SCORES:  # weights relative to the running max, and that max: scaled to the final lse later
-                tl.store(weight_rows[:, None] + key_pos[None, :], p.to(tl.float16),
-                         mask=scored[:, None] & key_ok[None, :])
-                tl.store(block_max_rows + start // BLOCK_N, m_safe, mask=scored)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + row_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -314,113 +307,103 @@ def paged_dense_attention(
         contexts = torch.where(lengths > 0, positions.long()[last] + 1, torch.zeros_like(lengths))
         max_query_len, max_context = (int(v) for v in torch.stack([lengths.max(), contexts.max()]).tolist())
     max_len = max_query_len
-    settings = launch_settings(head_dim, scored=score_starts is not None)
-    block_n = settings["BLOCK_N"]
 
     block_m = max(1, min(triton.next_power_of_2(max_len), 64 // group if group < 64 else 1))
     rows = max(16, triton.next_power_of_2(block_m * group))
-    num_q_blocks = triton.cdiv(max_len, block_m)
-    scored = score_starts is not None
-    splits = num_splits or _num_splits(
-        num_segments * num_kv_heads * num_q_blocks, max_context, min_keys=_MIN_KEYS_PER_SPLIT
-    )
-    # Splits start on key-block boundaries, so the score material is indexed by `key // BLOCK_N` alone.
-    keys_per_split = triton.cdiv(triton.cdiv(max_context, splits), block_n) * block_n
-    score_len = max(max_context, 1)
-    weights = block_max = None
-    if scored:
+    logits = None
+    if score_starts is not None:
         starts = score_starts.long()
         scored_queries = torch.where(starts >= 0, lengths - starts, torch.zeros_like(lengths)).clamp(min=0)
         if max_scored_queries is None:  # read back from the device (a sync) unless given
             max_scored_queries = int(scored_queries.max())
-        scored_rows = max(1, max_scored_queries) * group
-        # 16-bit weights halve the scratch traffic: they lie in [0, 1] and only choose which keys a view keeps.
-        weights = _score_scratch((num_segments, num_kv_heads, scored_rows, score_len), torch.float16, query.device)
-        block_max = _score_scratch((num_segments, num_kv_heads, scored_rows, triton.cdiv(score_len, block_n)),
-                                   torch.float32, query.device)
+        max_scored = max(1, max_scored_queries)
+        logits = _score_scratch((num_segments, num_kv_heads, max_scored * group, max(max_context, 1)), query.device)
         kernel_starts = torch.where(starts >= 0, starts, lengths + 1).to(torch.int32).contiguous()
+    scratch = logits if logits is not None else positions  # any valid pointer when scores are off
+    num_q_blocks = triton.cdiv(max_len, block_m)
+    splits = num_splits or _num_splits(
+        num_segments * num_kv_heads * num_q_blocks, max_context, min_keys=_MIN_KEYS_PER_SPLIT
+    )
+    keys_per_split = -(-max_context // splits)
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
-    placeholder = positions  # any valid pointer for the score arguments a launch does not use
     grid = (num_segments, num_kv_heads, num_q_blocks * splits)
     _dense_varlen_kernel[grid](
-        query, key_pool, value_pool, block_tables, cu, positions, out, lse,
-        *(t if t is not None else placeholder for t in (weights, block_max)),
-        kernel_starts if scored else cu,
+        query, key_pool, value_pool, block_tables, cu, positions, out, lse, scratch,
+        kernel_starts if score_starts is not None else cu,
         query.stride(0), query.stride(1),
         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        *(weights.stride()[:3] if scored else (0, 0, 0)),
-        *(block_max.stride()[:3] if scored else (0, 0, 0)),
+        scratch.stride(0) if logits is not None else 0,
+        scratch.stride(1) if logits is not None else 0,
+        scratch.stride(2) if logits is not None else 0,
         scale, num_q_blocks, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
-        SCORES=scored, **settings,
+        **launch_settings(head_dim, scored=logits is not None),
+        SCORES=logits is not None,
     )
     merged, lse = _merge_splits(out, lse)
     out = merged.to(query.dtype)
-    if not scored:
+    if logits is None:
         return out, lse, None
-    scores = _reduce_scores(weights, block_max, lse, cu_seqlens, positions, score_starts, scored_queries, group,
-                            block_n)
-    return out, lse, scores
+    return out, lse, _reduce_scores(logits, lse, cu_seqlens, positions, score_starts, scored_queries, group)
 
 
 @triton.jit
 def _reduce_scores_kernel(
-    weight_ptr, block_max_ptr, lse_ptr, cu_ptr, pos_ptr, start_ptr, count_ptr, out_ptr,
-    stride_ws, stride_wh, stride_wr,
-    stride_ms, stride_mh, stride_mr,
+    logit_ptr, lse_ptr, cu_ptr, pos_ptr, start_ptr, count_ptr, out_ptr,
+    stride_gs, stride_gh, stride_gr,
     stride_ln,
     stride_os, stride_oh,
     length,
-    GROUP: tl.constexpr, BLOCK_L: tl.constexpr, KEY_BLOCK: tl.constexpr,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     segment = tl.program_id(0)
     kv_head = tl.program_id(1)
     keys = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
     key_ok = keys < length
     first_query = tl.load(cu_ptr + segment) + tl.maximum(tl.load(start_ptr + segment), 0)
-    rows = tl.load(count_ptr + segment) * GROUP
+    num_rows = tl.load(count_ptr + segment) * GROUP
     acc = tl.zeros([BLOCK_L], tl.float32)
-    for row in range(0, rows):
-        query = first_query + row // GROUP
-        row_lse = tl.load(lse_ptr + query * stride_ln + kv_head * GROUP + row % GROUP)
+    # A tile of scored (query, head) rows per iteration: one iteration for a verify block. (A loop over single
+    # rows issued two dependent scalar loads per row and dominated the scored verify's cost.)
+    for first_row in range(0, num_rows, ROWS):
+        rows = first_row + tl.arange(0, ROWS)
+        row_ok = rows < num_rows
+        query = first_query + rows // GROUP
+        row_lse = tl.load(lse_ptr + query * stride_ln + kv_head * GROUP + rows % GROUP, mask=row_ok, other=0.0)
+        q_pos = tl.load(pos_ptr + query, mask=row_ok, other=-1)
         # Only keys the query sees were written (the scratch is not initialised); the others weigh zero.
-        visible = key_ok & (keys <= tl.load(pos_ptr + query))
-        weights = tl.load(
-            weight_ptr + segment * stride_ws + kv_head * stride_wh + row * stride_wr + keys, mask=visible, other=0.0,
-        ).to(tl.float32)
-        block_max = tl.load(
-            block_max_ptr + segment * stride_ms + kv_head * stride_mh + row * stride_mr + keys // KEY_BLOCK,
-            mask=visible, other=0.0,
+        visible = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        logits = tl.load(
+            logit_ptr + segment * stride_gs + kv_head * stride_gh + rows[:, None] * stride_gr + keys[None, :],
+            mask=visible, other=float("-inf"),
         )
-        acc += weights * tl.exp(block_max - row_lse)
-    tl.store(out_ptr + segment * stride_os + kv_head * stride_oh + keys, acc / tl.maximum(rows, 1), mask=key_ok)
+        acc += tl.sum(tl.exp(logits - row_lse[:, None]), 0)
+    tl.store(out_ptr + segment * stride_os + kv_head * stride_oh + keys, acc / tl.maximum(num_rows, 1), mask=key_ok)
 
 
-def _reduce_scores(
-    weights, block_max, lse, cu_seqlens, positions, score_starts, scored_queries, group, key_block
-) -> torch.Tensor:
-    """Mean softmax weight per key position from the scored rows' relative weights, block maxima and final LSE.
+def _reduce_scores(logits, lse, cu_seqlens, positions, score_starts, scored_queries, group) -> torch.Tensor:
+    """Mean softmax weight per key position from the scored rows' logits and their saved LSE.
 
-    One pass over the 16-bit weights (a few rows per segment), never over K: each program owns a block of key
-    positions of one (segment, KV head) and sums `weight * exp(block_max - lse)` over the scored rows.
+    One pass over the logit scratch (a few rows per segment), never over K: each program owns a block of key
+    positions of one (segment, KV head) and sums `exp(logit - lse)` over the scored (query, head) rows.
     """
-    num_segments, num_kv_heads, _, length = weights.shape
-    scores = torch.empty(num_segments, num_kv_heads, length, dtype=torch.float32, device=weights.device)
-    block = 256
+    num_segments, num_kv_heads, max_rows, length = logits.shape
+    scores = torch.empty(num_segments, num_kv_heads, length, dtype=torch.float32, device=logits.device)
+    rows = min(64, max(2, triton.next_power_of_2(max_rows)))
+    block = min(1024, 8192 // rows)  # ~8K logits per tile
     _reduce_scores_kernel[(num_segments, num_kv_heads, triton.cdiv(length, block))](
-        weights, block_max, lse, cu_seqlens.to(torch.int32).contiguous(), positions,
-        score_starts.to(torch.int32).contiguous(), scored_queries.to(torch.int32).contiguous(), scores,
-        weights.stride(0), weights.stride(1), weights.stride(2),
-        block_max.stride(0), block_max.stride(1), block_max.stride(2),
+        logits, lse, cu_seqlens.to(torch.int32).contiguous(), positions, score_starts.to(torch.int32).contiguous(),
+        scored_queries.to(torch.int32).contiguous(), scores,
+        logits.stride(0), logits.stride(1), logits.stride(2),
         lse.stride(0),
         scores.stride(0), scores.stride(1),
         length,
-        GROUP=group, BLOCK_L=block, KEY_BLOCK=key_block,
+        GROUP=group, ROWS=rows, BLOCK_L=block,
     )
     return scores
 
