@@ -417,17 +417,26 @@ class S3REngine:
         proposed = torch.cat([draft_tokens, spare], dim=1)[:, : target_scores.shape[1]]
         proposed[torch.arange(len(requests), device=self.device), num_accepted] = next_tokens
         logprobs = self._logprobs(target_scores, proposed)
+        # Scores, logits and stopping criteria are read token by token; without them a row's block is committed
+        # in one go, which at B=64 saves a few hundred Python calls per round while the device waits.
+        per_token = (
+            self.sampling.output_scores or self.sampling.output_logits or len(self.sampling.stopping_criteria) > 0
+        )
         committed_counts = []
         for row, request in enumerate(requests):
             context = request.committed
             proposals = draft_list[row][: accepted_list[row]] + [next_list[row]]
-            count = 0
-            for offset, token in enumerate(proposals):
-                count += 1
-                logprob = logprobs[row][offset] if logprobs is not None else None
-                if self._commit(request, token, target_scores[row], offset, logits, block_starts[row] + offset,
-                                logprob):
-                    break
+            row_logprobs = logprobs[row] if logprobs is not None else None
+            if per_token:
+                count = 0
+                row_scores = target_scores[row]
+                for offset, token in enumerate(proposals):
+                    count += 1
+                    logprob = row_logprobs[offset] if row_logprobs is not None else None
+                    if self._commit(request, token, row_scores, offset, logits, block_starts[row] + offset, logprob):
+                        break
+            else:
+                count = self._commit_block(request, proposals, row_logprobs)
             committed_counts.append(count)
             # K/V of the pending token and the accepted drafts are now dense and valid; the rest is discarded.
             request.committed = context + accepted_list[row] + 1
@@ -596,6 +605,23 @@ class S3REngine:
         if stop:
             request.status = RequestStatus.FINISHED
         return stop
+
+    def _commit_block(self, request: Request, proposals: list[int], logprobs: list[float] | None) -> int:
+        """Append a round's block of tokens at once, stopping where `_commit` token by token would: after the first
+        EOS, or at `max_new_tokens`. Only for rounds without per-token consumers (scores, logits, stopping
+        criteria). Returns how many tokens were committed."""
+        eos_token_ids = self.sampling.eos_token_ids
+        block = proposals[: max(1, request.remaining)]  # `_commit` appends a token before it checks the limit
+        if not eos_token_ids.isdisjoint(block):
+            first_eos = next(offset for offset, token in enumerate(block) if token in eos_token_ids)
+            block = block[: first_eos + 1]  # the EOS token itself is committed
+        request.extend(block)
+        request.pending = block[-1]
+        if logprobs is not None:
+            request.logprobs.extend(logprobs[: len(block)])
+        if block[-1] in eos_token_ids or request.remaining <= 0:
+            request.status = RequestStatus.FINISHED
+        return len(block)
 
     def refresh_views(self, plan: StepPlan, segments: list[int], requests: list[Request], contexts: list[int]):
         """New index views `R ∪ TopK` from the scores the dense forward recorded (DESIGN §4 step 4)."""

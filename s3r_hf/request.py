@@ -75,3 +75,12 @@ class Request:
         self._token_array[self.length] = token
         self.length += 1
         self.generated.append(token)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append a block of tokens with one slice write; the engine commits a round's accepted block this way."""
+        end = self.length + len(tokens)
+        if end > len(self._token_array):  # a slice write would broadcast one token into an empty slice silently
+            raise IndexError(f"token buffer of {len(self._token_array)} entries cannot hold {end}")
+        self._token_array[self.length : end] = tokens
+        self.length = end
+        self.generated.extend(tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -35,16 +36,24 @@ class S3RStats:
 
     def record_round(self, num_drafted: list[int], num_accepted: list[int], num_committed: list[int]) -> None:
         """Add one verification round; one entry per request verified in it."""
-        for drafted, accepted, committed in zip(num_drafted, num_accepted, num_committed):
-            self.rounds += 1
-            self.drafted += drafted
-            self.accepted += accepted
-            self.committed += committed
-            self._grow(drafted)
-            for position in range(drafted):
-                self.position_drafted[position] += 1
-                if position < accepted:
-                    self.position_accepted[position] += 1
+        self.rounds += len(num_drafted)
+        self.drafted += sum(num_drafted)
+        self.accepted += sum(num_accepted)
+        self.committed += sum(num_committed)
+        self._grow(max(num_drafted, default=0))
+        self._count_positions(self.position_drafted, num_drafted)
+        # A position counts as accepted only where it was drafted.
+        self._count_positions(self.position_accepted, [min(a, d) for a, d in zip(num_accepted, num_drafted)])
+
+    @staticmethod
+    def _count_positions(counts: list[int], lengths: list[int]) -> None:
+        """`counts[p] += ` the number of `lengths` above `p`. A round has a handful of distinct lengths, so this walks
+        the positions once, from the last, over a histogram instead of every request times every position."""
+        histogram = Counter(lengths)
+        longer = 0
+        for position in range(max(lengths, default=0) - 1, -1, -1):
+            longer += histogram.get(position + 1, 0)
+            counts[position] += longer
 
     def _grow(self, length: int) -> None:
         missing = length - len(self.position_drafted)
