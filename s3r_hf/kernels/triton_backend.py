@@ -232,8 +232,9 @@ def _dense_varlen_kernel(
         hi = tl.minimum(context, lo + keys_per_split)
         if SCORES:
             score_start = tl.load(score_start_ptr + segment)
+            score_start = tl.where(score_start >= 0, score_start, seg_end - seg_start)  # -1: not scored
             scored_row = (query - seg_start - score_start) * GROUP + rows % GROUP
-            scored = row_ok & (query - seg_start >= score_start)  # unscored segments carry a start past the end
+            scored = row_ok & (query - seg_start >= score_start)
 
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
@@ -301,8 +302,8 @@ def paged_dense_attention(
         empty_lse = torch.empty(num_queries, num_heads, dtype=torch.float32, device=query.device)
         return torch.empty_like(query), empty_lse, None
     hinted = max_query_len is not None and max_context is not None
-    lengths = None if score_starts is None and hinted else (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     if not hinted:  # read back from the device (a sync) unless given
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         last = (cu_seqlens[1:].long() - 1).clamp(min=0)
         contexts = torch.where(lengths > 0, positions.long()[last] + 1, torch.zeros_like(lengths))
         max_query_len, max_context = (int(v) for v in torch.stack([lengths.max(), contexts.max()]).tolist())
@@ -310,15 +311,16 @@ def paged_dense_attention(
 
     block_m = max(1, min(triton.next_power_of_2(max_len), 64 // group if group < 64 else 1))
     rows = max(16, triton.next_power_of_2(block_m * group))
+    # The kernels read the scored rows straight from `score_starts` (-1 = unscored): no torch ops per layer here,
+    # each of which is a launch-bound kernel of its own in a CUDA graph.
     logits = None
     if score_starts is not None:
-        starts = score_starts.long()
-        scored_queries = torch.where(starts >= 0, lengths - starts, torch.zeros_like(lengths)).clamp(min=0)
+        score_starts = score_starts.to(torch.int32).contiguous()
         if max_scored_queries is None:  # read back from the device (a sync) unless given
-            max_scored_queries = int(scored_queries.max())
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+            max_scored_queries = int(torch.where(score_starts >= 0, lengths - score_starts, 0).max())
         max_scored = max(1, max_scored_queries)
         logits = _score_scratch((num_segments, num_kv_heads, max_scored * group, max(max_context, 1)), query.device)
-        kernel_starts = torch.where(starts >= 0, starts, lengths + 1).to(torch.int32).contiguous()
     scratch = logits if logits is not None else positions  # any valid pointer when scores are off
     num_q_blocks = triton.cdiv(max_len, block_m)
     splits = num_splits or _num_splits(
@@ -330,7 +332,7 @@ def paged_dense_attention(
     grid = (num_segments, num_kv_heads, num_q_blocks * splits)
     _dense_varlen_kernel[grid](
         query, key_pool, value_pool, block_tables, cu, positions, out, lse, scratch,
-        kernel_starts if score_starts is not None else cu,
+        score_starts if score_starts is not None else cu,
         query.stride(0), query.stride(1),
         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
         block_tables.stride(0),
@@ -349,12 +351,12 @@ def paged_dense_attention(
     out = merged.to(query.dtype)
     if logits is None:
         return out, lse, None
-    return out, lse, _reduce_scores(logits, lse, cu_seqlens, positions, score_starts, scored_queries, group)
+    return out, lse, _reduce_scores(logits, lse, cu, positions, score_starts, group)
 
 
 @triton.jit
 def _reduce_scores_kernel(
-    logit_ptr, lse_ptr, cu_ptr, pos_ptr, start_ptr, count_ptr, out_ptr,
+    logit_ptr, lse_ptr, cu_ptr, pos_ptr, start_ptr, out_ptr,
     stride_gs, stride_gh, stride_gr,
     stride_ln,
     stride_os, stride_oh,
@@ -365,8 +367,11 @@ def _reduce_scores_kernel(
     kv_head = tl.program_id(1)
     keys = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
     key_ok = keys < length
-    first_query = tl.load(cu_ptr + segment) + tl.maximum(tl.load(start_ptr + segment), 0)
-    num_rows = tl.load(count_ptr + segment) * GROUP
+    seg_start = tl.load(cu_ptr + segment)
+    seg_end = tl.load(cu_ptr + segment + 1)
+    score_start = tl.load(start_ptr + segment)
+    first_query = tl.where(score_start >= 0, seg_start + score_start, seg_end)  # -1: not scored, no rows
+    num_rows = tl.maximum(seg_end - first_query, 0) * GROUP
     acc = tl.zeros([BLOCK_L], tl.float32)
     # A tile of scored (query, head) rows per iteration, one iteration for a verify block, instead of one row at a
     # time with two dependent scalar loads each (H200, SmolLM2 4K verify: 0.195 vs 0.200 ms per layer).
@@ -386,7 +391,7 @@ def _reduce_scores_kernel(
     tl.store(out_ptr + segment * stride_os + kv_head * stride_oh + keys, acc / tl.maximum(num_rows, 1), mask=key_ok)
 
 
-def _reduce_scores(logits, lse, cu_seqlens, positions, score_starts, scored_queries, group) -> torch.Tensor:
+def _reduce_scores(logits, lse, cu_seqlens, positions, score_starts, group) -> torch.Tensor:
     """Mean softmax weight per key position from the scored rows' logits and their saved LSE.
 
     One pass over the logit scratch (a few rows per segment), never over K: each program owns a block of key
@@ -397,8 +402,7 @@ def _reduce_scores(logits, lse, cu_seqlens, positions, score_starts, scored_quer
     rows = min(64, max(2, triton.next_power_of_2(max_rows)))
     block = min(1024, 8192 // rows)  # ~8K logits per tile
     _reduce_scores_kernel[(num_segments, num_kv_heads, triton.cdiv(length, block))](
-        logits, lse, cu_seqlens.to(torch.int32).contiguous(), positions, score_starts.to(torch.int32).contiguous(),
-        scored_queries.to(torch.int32).contiguous(), scores,
+        logits, lse, cu_seqlens, positions, score_starts, scores,
         logits.stride(0), logits.stride(1), logits.stride(2),
         lse.stride(0),
         scores.stride(0), scores.stride(1),
