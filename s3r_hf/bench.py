@@ -1,10 +1,12 @@
 """`s3r-hf bench`: S3R vs dense decoding in the same engine (AR) vs `model.generate`, on the same prompts.
 
 For each (model, B, S): decode ms per step (AR, `model.generate`) or per round (S3R), tokens/s, speedups, τ,
-acceptance rate and the bandwidth floor of one dense decode step (weights + all KV bytes at the measured copy
-bandwidth). Random-weight shapes (`qwen3-1.7b`, `qwen3-8b`) accept nothing meaningful; `--acceptance P` fixes
-their acceptance pattern (each draft kept with probability P, NOT exact) so the cost side can be timed, and
-the report says so. Benchmarks report timings; they assert nothing.
+acceptance rate, the mean number of requests a step ran (`rows`) and the bandwidth floor of one dense decode step
+(weights + all KV bytes at the measured copy bandwidth). `--requests N` runs N prompts through the engine at most
+B at a time (a rollout queue: a finished request's slot goes to the next prompt); by default N = B, one fixed
+batch, whose last steps run only the slowest rows. Random-weight shapes (`qwen3-1.7b`, `qwen3-8b`) accept
+nothing meaningful; `--acceptance P` fixes their acceptance pattern (each draft kept with probability P, NOT
+exact) so the cost side can be timed, and the report says so. Benchmarks report timings; they assert nothing.
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ def time_engine(
     return {
         "ms_per_step": decode / max(stats.steps, 1) * 1e3,
         "tokens_per_s": stats.committed / decode,
+        # Requests per step: below B when a fixed batch's finished rows leave the slowest ones running alone.
+        "mean_rows_per_step": stats.rounds / max(stats.steps, 1),
         "graph_captures": stats.graph_captures,
         "graph_capture_s": stats.graph_capture_seconds,
         "prefill_s": stats.prefill_seconds,
@@ -142,17 +146,19 @@ def greedy_agreement(s3r: torch.Tensor, ar: torch.Tensor, prompt_len: int) -> di
 
 def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
     device = str(model.device)
+    requests = max(batch, args.requests or batch)
     if tokenizer is not None:
-        input_ids = text_prompts(tokenizer, batch, seq, Path(args.data)).to(device)
+        input_ids = text_prompts(tokenizer, requests, seq, Path(args.data)).to(device)
     else:
-        input_ids = random_prompts(model.config.vocab_size, batch, seq).to(device)
-    point = {"model": name, "batch": batch, "seq": seq, "max_new_tokens": args.max_new_tokens,
+        input_ids = random_prompts(model.config.vocab_size, requests, seq).to(device)
+    point = {"model": name, "batch": batch, "requests": requests, "seq": seq, "max_new_tokens": args.max_new_tokens,
              "cuda_graphs": args.cuda_graphs, "compile_layers": args.compile_layers,
              "floor_ms": floor_ms(model, batch, seq + args.max_new_tokens // 2, bandwidth),
              "acceptance_forced": args.acceptance}
+    # At most `batch` requests run at once (a fixed AIMD limit); the rest wait for a slot.
     base = S3RConfig(draft_len=args.draft_len, min_budget=args.min_budget, page_size=16,
                      prefill_chunk_size=args.prefill_chunk, cuda_graphs=args.cuda_graphs,
-                     compile_layers=args.compile_layers)
+                     compile_layers=args.compile_layers, concurrency_min=batch, concurrency_max=batch)
     _release_memory(device)
     ar = time_engine(model, input_ids, args.max_new_tokens, base, "ar", None, args.stages)
     point["engine_ar"] = {k: v for k, v in ar.items() if k != "sequences"}
@@ -167,7 +173,8 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
     if not args.skip_generate:  # the engine's numbers stand even if model.generate runs out of memory
         _release_memory(device)
         try:
-            point["hf_generate"] = time_hf_generate(model, input_ids, args.max_new_tokens, device)
+            # One batch of B: without EOS every row runs to max_new_tokens, so a queue would change nothing.
+            point["hf_generate"] = time_hf_generate(model, input_ids[:batch], args.max_new_tokens, device)
         except torch.OutOfMemoryError as error:
             point["hf_generate_error"] = f"out of memory: {error}".splitlines()[0]
     print_point(point)
@@ -183,8 +190,11 @@ def _release_memory(device: str) -> None:
 def print_point(point: dict) -> None:
     ar = point["engine_ar"]
     forced = f" (acceptance forced to {point['acceptance_forced']}, not exact)" if point["acceptance_forced"] else ""
-    print(f"\n{point['model']}  B={point['batch']}  S={point['seq']}  floor {point['floor_ms']:.2f} ms/step{forced}")
-    print(f"{'method':<18}{'ms/step':>10}{'tok/s':>12}{'vs AR':>8}{'vs HF':>8}{'tau':>7}{'accept':>8}{'=AR':>9}")
+    queue = f"  {point['requests']} requests" if point.get("requests", point["batch"]) > point["batch"] else ""
+    print(f"\n{point['model']}  B={point['batch']}{queue}  S={point['seq']}  floor {point['floor_ms']:.2f} ms/step"
+          f"{forced}")
+    print(f"{'method':<18}{'ms/step':>10}{'tok/s':>12}{'vs AR':>8}{'vs HF':>8}{'tau':>7}{'accept':>8}{'rows':>7}"
+          f"{'=AR':>9}")
     captures = [(label, r) for label, r in [("AR", ar)] + list(point["s3r"].items()) if r.get("graph_captures")]
     for label, r in captures:
         print(f"  {label}: {r['graph_captures']} CUDA-graph captures, {r['graph_capture_s']:.2f} s (excluded)")
@@ -203,8 +213,10 @@ def print_point(point: dict) -> None:
         tau = r.get("tau", 1.0)
         accept = r.get("acceptance_rate", float("nan"))
         match = {True: "yes", False: f"{r.get('greedy_rows_differing')} rows"}.get(r.get("greedy_matches_ar"), "")
+        rows_per_step = r.get("mean_rows_per_step", float("nan"))
         print(f"{label:<18}{r['ms_per_step']:>10.2f}{r['tokens_per_s']:>12.0f}"
-              f"{r['tokens_per_s'] / ar['tokens_per_s']:>8.2f}{vs_hf:>8.2f}{tau:>7.2f}{accept:>8.3f}{match:>9}")
+              f"{r['tokens_per_s'] / ar['tokens_per_s']:>8.2f}{vs_hf:>8.2f}{tau:>7.2f}{accept:>8.3f}"
+              f"{rows_per_step:>7.1f}{match:>9}")
 
 
 def plot(points: list[dict], path: str) -> None:
@@ -232,7 +244,9 @@ def plot(points: list[dict], path: str) -> None:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", action="append", help="qwen3-1.7b, qwen3-8b (random weights) or a real model; "
                         "repeatable (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--batch", default="16", help="comma-separated batch sizes")
+    parser.add_argument("--batch", default="16", help="comma-separated batch sizes (requests running at once)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="prompts per point, run at most B at a time (default: B, one fixed batch)")
     parser.add_argument("--seq", default="1024", help="comma-separated prompt lengths")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--budget", default="0.05", help="comma-separated budget ratios (a sweep)")

@@ -43,3 +43,18 @@ def test_greedy_agreement_reports_where_rows_part():
     assert greedy_agreement(s3r, ar, prompt_len=2) == {
         "greedy_matches_ar": False, "greedy_rows_differing": 2, "greedy_first_divergence": 2,
     }
+
+
+def test_bench_runs_a_queue_of_requests_at_most_batch_at_a_time(tmp_path):
+    json_path = tmp_path / "bench.json"
+    main([
+        "bench", "--model", "qwen3-tiny", "--batch", "2", "--requests", "5", "--seq", "40", "--max-new-tokens", "10",
+        "--budget", "0.5", "--min-budget", "4", "--draft-len", "3", "--dtype", "float32", "--device", "cpu",
+        "--skip-generate", "--json", str(json_path),
+    ])
+    point = json.loads(json_path.read_text())["points"][0]
+    assert (point["batch"], point["requests"]) == (2, 5)
+    for run in (point["engine_ar"], point["s3r"]["0.5"]):
+        assert 1.0 <= run["mean_rows_per_step"] <= 2.0
+    # All five rows of greedy S3R equal those of greedy engine AR.
+    assert point["s3r"]["0.5"]["greedy_matches_ar"] is True
