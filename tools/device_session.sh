@@ -14,6 +14,8 @@
 #   tune         graph-timed kernels at the chosen launch settings (TUNE_ARGS= for the full sweep)
 #   smol         SmolLM2-135M real-text bench, bf16, compiled layers, graphs: headline (unsynchronized) numbers
 #   smol-stages  the same with per-stage synchronization: where a round's time goes (SMOL_SEQ, SMOL_EXTRA)
+#   smol-queue   the headline bench with 4 x 64 requests run 64 at a time (a rollout queue: no straggler tail)
+#   profile      CUDA kernels per AR step and per S3R round, SmolLM2 4K, graphs + compiled layers
 #   smol-fp32    fp32 greedy exactness of S3R against engine AR at 4K
 #   divergence   greedy model.generate vs engine AR vs S3R, compiled or not: rows that part, and the reference's
 #                top-2 logit gap where they do (tools/greedy_divergence.py; DIV_SEQ, DIV_DTYPE)
@@ -60,6 +62,12 @@ for step in "$@"; do
     ;;
   smol) smol_bench smol --plot "$OUT/smol.png" ;;
   smol-stages) smol_bench smol_stages --stages --skip-generate ;;
+  smol-queue) smol_bench smol_queue --requests 256 --skip-generate ;;
+  profile)
+    timeout 240 python3 tools/profile_engine.py --model $smol --data $data --batch 64 --seq ${SMOL_SEQ:-4096} \
+      --budget 0.05 --min-budget 64 --cuda-graphs --compile-layers 2>&1 | grep -v -i warn | tee "$OUT/profile.log" \
+      | tail -100
+    ;;
   smol-fp32)
     timeout 150 python3 -m s3r_hf.cli bench --model $smol --data $data --batch 64 --seq 4096 --max-new-tokens 48 \
       --budget 0.05 --min-budget 64 --dtype float32 --cuda-graphs --compile-layers --skip-generate \

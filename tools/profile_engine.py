@@ -1,6 +1,11 @@
-"""Profile one S3R generate call and one engine-AR call with torch.profiler (GPU): top ops by CPU and CUDA time.
+"""Profile engine AR and S3R generate calls with torch.profiler (GPU): the CUDA kernels a step launches.
 
-python tools/profile_engine.py --model qwen3-1.7b --batch 16 --seq 4096 --max-new-tokens 24 --acceptance 0.8
+Prints, per mode, every kernel with its launches per step, µs per launch and ms per step (kernels inside CUDA
+graphs included), so per-layer launch counts and their cost show directly.
+
+python tools/profile_engine.py --model qwen3-1.7b --batch 16 --seq 4096 --acceptance 0.8
+python tools/profile_engine.py --model SmolLM2-135M-Instruct.Q4_1.gguf --data math_train.json --batch 64 \\
+    --seq 4096 --budget 0.05 --min-budget 64 --cuda-graphs --compile-layers
 """
 
 from __future__ import annotations
@@ -8,34 +13,73 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from s3r_hf.bench import build_model, random_prompts
+from s3r_hf.bench import DEFAULT_DATA, build_model, random_prompts, text_prompts
 from s3r_hf.config import S3RConfig
 from s3r_hf.generate import enable
+
+
+def kernel_totals(prof) -> dict[str, list[float]]:
+    """Launches and device µs per CUDA kernel name (kernels replayed inside CUDA graphs included)."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
+            totals[event.name][0] += 1
+            totals[event.name][1] += event.device_time_total
+    return totals
+
+
+def kernel_table(call: dict, baseline: dict, steps: int, rows: int) -> str:
+    """Kernels of `call` minus those of `baseline` (a shorter call), per decode step of the difference."""
+    per_step = {}
+    for name, (count, us) in call.items():
+        count -= baseline.get(name, (0, 0.0))[0]
+        us -= baseline.get(name, (0, 0.0))[1]
+        if count > 0:
+            per_step[name] = (count / steps, us / steps)
+    launches = sum(count for count, _ in per_step.values())
+    total_us = sum(us for _, us in per_step.values())
+    lines = [f"{'launches/step':>14}{'us/launch':>11}{'ms/step':>9}  kernel",
+             f"{launches:>14.1f}{total_us / max(launches, 1):>11.2f}{total_us / 1e3:>9.3f}  (all)"]
+    for name, (count, us) in sorted(per_step.items(), key=lambda item: -item[1][1])[:rows]:
+        lines.append(f"{count:>14.1f}{us / count:>11.2f}{us / 1e3:>9.3f}  {name[:110]}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3-1.7b")
+    parser.add_argument("--data", default=str(DEFAULT_DATA), help="real-text prompts for a real model")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--acceptance", type=float, default=0.8)
-    parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--max-new-tokens", type=int, default=112)
+    parser.add_argument("--acceptance", type=float, default=None, help="forced acceptance (random-weight shapes)")
+    parser.add_argument("--budget", type=float, default=0.05)
+    parser.add_argument("--min-budget", type=int, default=192)
+    parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--cuda-graphs", action="store_true")
-    parser.add_argument("--python", action="store_true", help="profile host Python (cProfile) instead of ops")
+    parser.add_argument("--compile-layers", action="store_true")
+    parser.add_argument("--python", action="store_true", help="profile host Python (cProfile) instead of kernels")
     args = parser.parse_args()
-    model, _ = build_model(args.model, torch.bfloat16, "cuda")
+    model, tokenizer = build_model(args.model, torch.bfloat16, "cuda")
     enable(model)
-    input_ids = random_prompts(model.config.vocab_size, args.batch, args.seq).cuda()
-    config = S3RConfig(prefill_chunk_size=8192, cuda_graphs=args.cuda_graphs)
+    if tokenizer is not None:
+        input_ids = text_prompts(tokenizer, args.batch, args.seq, Path(args.data)).cuda()
+    else:
+        input_ids = random_prompts(model.config.vocab_size, args.batch, args.seq).cuda()
+    config = S3RConfig(prefill_chunk_size=8192, cuda_graphs=args.cuda_graphs, compile_layers=args.compile_layers,
+                       budget_ratio=args.budget, min_budget=args.min_budget)
     common = dict(attention_mask=torch.ones_like(input_ids), do_sample=False, pad_token_id=0, eos_token_id=None,
                   s3r_config=config, s3r_timing=True)
     for mode, acceptance in (("ar", None), ("s3r", args.acceptance)):
-        model.generate(input_ids, max_new_tokens=4, s3r_mode=mode, s3r_forced_acceptance=acceptance, **common)
+        # Warm-up: compilation and graph captures of this shape happen here, not in the profiled call.
+        model.generate(input_ids, max_new_tokens=args.max_new_tokens, s3r_mode=mode,
+                       s3r_forced_acceptance=acceptance, **common)
         if args.python:
             profiler = cProfile.Profile()
             profiler.enable()
@@ -47,14 +91,18 @@ def main() -> None:
                   f"{stats.prefill_seconds:.3f}s")
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.rows)
             continue
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            out = model.generate(input_ids, max_new_tokens=args.max_new_tokens, s3r_mode=mode,
-                                 s3r_forced_acceptance=acceptance, **common)
+        totals, steps = [], []
+        # Two calls that differ only in decode steps: their difference leaves out prefill and graph captures.
+        for max_new_tokens in (16, args.max_new_tokens):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                out = model.generate(input_ids, max_new_tokens=max_new_tokens, s3r_mode=mode,
+                                     s3r_forced_acceptance=acceptance, **common)
+            totals.append(kernel_totals(prof))
+            steps.append(out.s3r_stats.steps)
         stats = out.s3r_stats
-        print(f"\n===== {mode}: steps {stats.steps}, decode {stats.decode_seconds:.3f}s "
-              f"({stats.decode_seconds / max(stats.steps, 1) * 1e3:.1f} ms/step), prefill {stats.prefill_seconds:.3f}s")
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        print(f"\n===== {mode}: steps {stats.steps}, decode {stats.decode_seconds * 1e3 / max(stats.steps, 1):.2f} "
+              f"ms/step (profiled), tau {stats.mean_acceptance_length:.2f}")
+        print(kernel_table(totals[1], totals[0], max(steps[1] - steps[0], 1), args.rows))
 
 
 if __name__ == "__main__":
