@@ -7,6 +7,9 @@ over a thousand per forward. Compiling each layer lets inductor fuse the element
 the compiled graphs (`torch.compiler.disable`): they launch Triton kernels on the step plan's metadata, and a
 graph break there costs nothing once the whole forward is replayed as a CUDA graph.
 
+Inside the compiled layers the linears that read one input (Q/K/V, gate/up) run as one GEMM each
+(`fused_projections.py`): at these batch sizes a GEMM costs its launch.
+
 The compiled forwards are installed on the layers only while an engine runs, so the model's own forward (the
 training step of an RL loop, plain `generate`) is never touched. One compiled function serves every layer of a
 class and lives for the process, so later calls recompile only for new shapes; parameters are read at call
@@ -23,6 +26,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from s3r_hf.fused_projections import MergeIdenticalGemms, fused_projections
 from s3r_hf.validation import UnsupportedModelError
 
 # One compiled function per decoder-layer class, shared by its layers (and by every model of that class).
@@ -46,12 +50,13 @@ def compiled_decoder_layers(model: PreTrainedModel) -> Iterator[None]:
     layers = decoder_layers(model)
     saved = [(layer, layer.__dict__.get("forward")) for layer in layers]
     # `layer_idx` would otherwise be a constant of each layer's graph: one recompilation per layer.
-    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), fused_projections(layers):
         try:
             for layer in layers:
                 cls = type(layer)
                 if cls not in _compiled_forwards:
-                    _compiled_forwards[cls] = torch.compile(cls.forward)
+                    options = {"post_grad_custom_pre_pass": MergeIdenticalGemms()}
+                    _compiled_forwards[cls] = torch.compile(cls.forward, options=options)
                 layer.forward = types.MethodType(_compiled_forwards[cls], layer)
             yield
         finally:

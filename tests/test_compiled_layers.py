@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -42,3 +43,39 @@ def test_compiled_layers_greedy_match_dense_and_are_removed_afterwards():
 def test_compile_layers_needs_transformers_decoder_layers():
     with pytest.raises(UnsupportedModelError, match="GradientCheckpointingLayer"):
         decoder_layers(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_compiled_layers_run_qkv_and_gate_up_as_one_gemm_each():
+    """Seven linears per layer become four GEMMs (Q/K/V, O, gate/up, down); the model's linears come back after."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = s3r_hf.enable(tiny_model("qwen3", seed=33, num_hidden_layers=2))
+    linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
+    input_ids, attention_mask = left_padded_batch([5, 11], seed=34)
+    dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=8)
+    config = S3RConfig(draft_len=2, budget_ratio=0.2, min_budget=2, page_size=4, compile_layers=True)
+    torch._dynamo.reset()
+    out, sources = run_and_get_code(lambda: model.generate(
+        input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=8, s3r_config=config))
+    assert torch.equal(out, dense)
+    gemms = [len(re.findall(r"extern_kernels\.(?:mm|addmm)\(", source)) for source in sources]
+    # Each shape class (prefill chunks, single-token steps, verify blocks) compiles one set of layer graphs, split
+    # at the attention: Q/K/V | O | gate/up, down. Unfused, the first and last would hold three GEMMs each.
+    assert max(gemms) == 2 and sum(gemms) == 4 * gemms.count(2), gemms
+    assert [module for module in model.modules() if type(module) is torch.nn.Linear] == linears
+
+
+def test_merge_identical_gemms_keeps_one_of_each():
+    from s3r_hf.fused_projections import MergeIdenticalGemms
+
+    def three_projections(x, w):
+        return torch.mm(x, w.t())[:, :2] + torch.mm(x, w.t())[:, 2:4] * torch.mm(x, w.t())[:, 4:]
+
+    aten_graph = torch.fx.experimental.proxy_tensor.make_fx(three_projections)(torch.ones(3, 4), torch.ones(6, 4))
+    before = sum(node.target is torch.ops.aten.mm.default for node in aten_graph.graph.nodes)
+    MergeIdenticalGemms()(aten_graph.graph)
+    aten_graph.recompile()
+    after = sum(node.target is torch.ops.aten.mm.default for node in aten_graph.graph.nodes)
+    assert (before, after) == (3, 1)
+    x, w = torch.randn(3, 4), torch.randn(6, 4)
+    torch.testing.assert_close(aten_graph(x, w), three_projections(x, w))
