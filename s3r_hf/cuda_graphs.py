@@ -117,8 +117,8 @@ class DecodeGraphs:
             self._fill(step, input_ids, plan, count)
         step.graph.replay()
         self.replays += 1
-        if kind == "verify":  # the step's top-K candidates, valid until this graph replays again
-            plan.candidates = step.plan.candidates
+        if kind == "verify":  # the real segments' verify scores (graph buffers, valid until the next replay)
+            plan.scores = {layer: scores[:segments] for layer, scores in step.plan.scores.items()}
         # A copy: the graph's output buffer is overwritten by the next replay.
         return step.logits[:count].to(torch.float32, copy=True)
 

@@ -28,7 +28,7 @@ from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.request import Request, RequestStatus
 from s3r_hf.sampler import sample_from_scores, speculative_accept
 from s3r_hf.scheduler import AIMDConcurrency
-from s3r_hf.staging import to_device
+from s3r_hf.staging import start_host_copy, to_device
 from s3r_hf.stats import S3RStats
 from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
 from s3r_hf.validation import UnsupportedModelError
@@ -269,12 +269,16 @@ class S3REngine:
                 "attention function registered with transformers' AttentionInterface; S3R needs every layer's "
                 "attention to go through `cache.update` and `ALL_ATTENTION_FUNCTIONS`"
             )
-        if plan.scores:
-            plan.candidates = self._select_candidates(plan)
         logits = output.logits[0]
         if keep is not None and not self._supports_logits_to_keep:
             logits = logits[keep]
         return logits
+
+    def _candidates(self, plan: StepPlan) -> torch.Tensor:
+        """The plan's top-K history positions, selected on first use from the scores its forward recorded."""
+        if plan.candidates is None:
+            plan.candidates = self._select_candidates(plan)
+        return plan.candidates
 
     def _select_candidates(self, plan: StepPlan) -> torch.Tensor:
         """Top-K history positions of every layer, `[num_layers, Sd, Hkv, K]`, from one batched selection."""
@@ -406,17 +410,30 @@ class S3REngine:
                 self.sampling.greedy, self.sampling.generator,
             )
             num_accepted, next_tokens = result.num_accepted, result.next_tokens
-        # The accept decision is the one device-to-host read a round needs (plus log-probs when asked for).
+        # The accept decision is the one device-to-host read a round needs (plus log-probs when asked for). The
+        # top-K selection for the next index views is queued behind its copy, so the device selects while the host
+        # commits; the views' rebuild is queued as soon as the committed lengths are known.
         decision = torch.cat([num_accepted[:, None], next_tokens[:, None], draft_tokens[:, :max_drafts]], dim=1)
-        decision = decision.tolist()
+        read_decision = start_host_copy(decision)
+        if self.mode != "ar":
+            self._candidates(plan)
+        decision = read_decision().tolist()
         accepted_list = [row[0] for row in decision]
         next_list = [row[1] for row in decision]
         draft_list = [row[2:] for row in decision]
-        # Token committed at each block offset: the accepted drafts, then the correction/bonus token.
-        spare = torch.zeros(len(requests), 1, dtype=torch.long, device=self.device)
-        proposed = torch.cat([draft_tokens, spare], dim=1)[:, : target_scores.shape[1]]
-        proposed[torch.arange(len(requests), device=self.device), num_accepted] = next_tokens
-        logprobs = self._logprobs(target_scores, proposed)
+        started = self._stage_done("accept", started)
+        if self.mode != "ar":  # dense decoding never drafts, so it keeps no index views
+            # Views of requests that finish this round are rebuilt too (harmless: their slots are released after it).
+            contexts = [r.committed + accepted + 1 for r, accepted in zip(requests, accepted_list)]
+            self.refresh_views(plan, list(range(len(requests))), requests, contexts)
+        started = self._stage_done("refresh", started)
+        logprobs = None
+        if self.config.return_logprobs:
+            # Token committed at each block offset: the accepted drafts, then the correction/bonus token.
+            spare = torch.zeros(len(requests), 1, dtype=torch.long, device=self.device)
+            proposed = torch.cat([draft_tokens, spare], dim=1)[:, : target_scores.shape[1]]
+            proposed[torch.arange(len(requests), device=self.device), num_accepted] = next_tokens
+            logprobs = self._logprobs(target_scores, proposed)
         # Scores, logits and stopping criteria are read token by token; without them a row's block is committed
         # in one go, which at B=64 saves a few hundred Python calls per round while the device waits.
         per_token = (
@@ -443,12 +460,7 @@ class S3REngine:
             self.cache.set_length(request.slot, request.committed)
         self.stats.steps += 1
         self.stats.record_round(draft_counts, accepted_list, committed_counts)
-        started = self._stage_done("accept", started)
-        if self.mode == "ar":
-            return  # dense decoding never drafts, so it keeps no index views
-        alive = [i for i, r in enumerate(requests) if r.status is not RequestStatus.FINISHED]
-        self.refresh_views(plan, alive, [requests[i] for i in alive], [requests[i].committed for i in alive])
-        self._stage_done("refresh", started)
+        self._stage_done("commit", started)
 
     def _run_draft_phase(
         self, requests: list[Request], draft_counts: list[int], tables: torch.Tensor, max_drafts: int
@@ -559,6 +571,8 @@ class S3REngine:
             rows = [r.row for r, count in zip(requests, draft_counts) for _ in range(count + 1)]
         flat_scores = self.sampling.logits_processor(rows, histories, logits)
         width = max(draft_counts) + 1
+        if len(block_rows) == width * len(requests):  # every block is full: the rows are already in place
+            return plan, logits, cu, flat_scores.view(len(requests), width, -1)
         target_scores = torch.zeros(len(requests), width, flat_scores.shape[-1], device=self.device)
         target_scores[self._tensor(block_rows), self._tensor(block_offsets)] = flat_scores
         return plan, logits, cu, target_scores
@@ -635,5 +649,5 @@ class S3REngine:
         budgets = self._tensor(budget_list)
         for request, budget in zip(requests, budget_list):
             request.view_len = budget
-        candidates = plan.candidates[:, seg_index]
+        candidates = self._candidates(plan)[:, seg_index]
         self.cache.index_views.build(None, slots, candidates, history, context_lens, budgets, width=max(budget_list))

@@ -1,4 +1,4 @@
-"""Host-to-device copies that never stall the host.
+"""Host-device copies that never stall the host.
 
 `torch.tensor(values, device="cuda")` copies from pageable memory, which waits for the device's queue to
 drain: one such call per layer or per step serialises host and device. Step metadata (positions, block tables,
@@ -6,6 +6,8 @@ write slots) is built on the host every step, so it goes through pinned memory a
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -17,3 +19,24 @@ def to_device(values: list[int] | torch.Tensor, device: torch.device, dtype: tor
         return host.to(device)
     # Pinned blocks come from torch's caching host allocator, which keeps a block until its copy has finished.
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def start_host_copy(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Queue a copy of `tensor` to host memory and return a function that waits for it and returns the copy.
+
+    Device work queued between the two calls runs while the host waits and afterwards, instead of after the host
+    has read the copy (a plain `.tolist()` waits for everything queued before it and leaves the device idle
+    until the host queues more).
+    """
+    if tensor.device.type != "cuda":
+        return lambda: tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait() -> torch.Tensor:
+        copied.synchronize()
+        return host
+
+    return wait

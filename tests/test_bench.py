@@ -23,7 +23,7 @@ def test_bench_runs_and_greedy_s3r_matches_ar(tmp_path, capsys):
         assert set(point["s3r"]) == {"0.1", "0.5"}
         for run in point["s3r"].values():
             assert run["greedy_matches_ar"] is True
-            assert set(run["stage_ms_per_step"]) == {"draft", "verify", "accept", "refresh"}
+            assert set(run["stage_ms_per_step"]) == {"draft", "verify", "accept", "refresh", "commit"}
             assert 1.0 <= run["tau"] <= 4.0
         assert point["hf_generate"]["tokens_per_s"] > 0
     assert plot_path.stat().st_size > 0

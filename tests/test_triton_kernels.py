@@ -189,3 +189,19 @@ def test_greedy_generation_with_triton_kernels_matches_dense(monkeypatch):
                          s3r_config=config)
     assert torch.equal(out, dense)
     assert out.s3r_stats.drafted > out.s3r_stats.accepted
+
+
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 64), (2, 16), (1, 24)])
+def test_write_kv_matches_reference(num_kv_heads, head_dim):
+    """A step's K/V (transposed views of the projections, another dtype) land at the same pool rows as the
+    reference's two `index_copy_`s put them; the other rows are untouched."""
+    generator = torch.Generator().manual_seed(head_dim)
+    key_pool, value_pool = paged_pools(6, 4, num_kv_heads, head_dim, generator)
+    rows = torch.randperm(24, generator=generator)[:7].to(DEVICE)
+    keys = torch.randn(1, num_kv_heads, 7, head_dim, generator=generator).double().to(DEVICE)[0].transpose(0, 1)
+    values = torch.randn(1, num_kv_heads, 7, head_dim, generator=generator).double().to(DEVICE)[0].transpose(0, 1)
+    expected_keys, expected_values = key_pool.clone(), value_pool.clone()
+    reference.write_kv(expected_keys, expected_values, rows, keys, values)
+    triton_backend.write_kv(key_pool, value_pool, rows, keys, values)
+    assert torch.equal(key_pool, expected_keys)
+    assert torch.equal(value_pool, expected_values)

@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from s3r_hf.cache.index_view import SparseIndexViews
 from s3r_hf.cache.page_allocator import KVCapacityError, PageAllocator
+from s3r_hf.kernels import get_backend
 from s3r_hf.staging import to_device
 
 # Plain-mode handoff (see `S3RCache.update`): the attention function of the same layer, called right after
@@ -265,11 +266,10 @@ class S3RCache(Cache):
         """
         layer = self.layers[layer_idx]
         if self.step is not None:
-            rows = self.step.write_index
-            flat_keys = layer.keys.view(-1, self.num_kv_heads, self.head_dim)
-            flat_values = layer.values.view(-1, self.num_kv_heads, self.head_dim)
-            flat_keys.index_copy_(0, rows, key_states[0].transpose(0, 1).to(layer.dtype))
-            flat_values.index_copy_(0, rows, value_states[0].transpose(0, 1).to(layer.dtype))
+            get_backend(self.device).write_kv(
+                layer.keys, layer.values, self.step.write_index, key_states[0].transpose(0, 1),
+                value_states[0].transpose(0, 1),
+            )
             return key_states, value_states
         return self._plain_update(key_states, value_states, layer_idx)
 

@@ -26,6 +26,16 @@ def gather_positions(pool: torch.Tensor, block_table: torch.Tensor, positions: t
     return pool[pages, positions % page_size]
 
 
+def write_kv(
+    key_pool: torch.Tensor, value_pool: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> None:
+    """Write `keys`/`values` `[N, Hkv, D]` (any strides, any float dtype) into the pools at flat rows `rows` `[N]`
+    (`page * page_size + offset`), cast to the pools' dtype."""
+    num_kv_heads, head_dim = key_pool.shape[2:]
+    key_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, rows, keys.to(key_pool.dtype))
+    value_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, rows, values.to(value_pool.dtype))
+
+
 def _segment_layout(cu_seqlens: torch.Tensor, positions: torch.Tensor):
     """Segment id and offset of each packed query, segment lengths, and each segment's context length."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]

@@ -7,6 +7,7 @@
   segments the kernel also writes the scaled logits of the scored rows (a few rows per verify block) to a
   scratch buffer while it streams K once; the verify scores are then `exp(logit - lse)` averaged per key
   position, computed from that buffer without touching K again.
+- `write_kv`: a step's K and V into the pools in one launch.
 - `select_topk_candidates`: `torch.topk` on the GPU.
 
 Run on CPU tensors under `TRITON_INTERPRET=1` (CI) and on CUDA.
@@ -410,6 +411,45 @@ def _reduce_scores(logits, lse, cu_seqlens, positions, score_starts, group) -> t
         GROUP=group, ROWS=rows, BLOCK_L=block,
     )
     return scores
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_pool_ptr, value_pool_ptr, rows_ptr, keys_ptr, values_ptr,
+    stride_pool_row, stride_pool_h,
+    stride_kn, stride_kh, stride_vn, stride_vh,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    row = tl.load(rows_ptr + token).to(tl.int64)
+    target = row * stride_pool_row + heads[:, None] * stride_pool_h + dims[None, :]
+    key = tl.load(keys_ptr + token * stride_kn + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    tl.store(key_pool_ptr + target, key.to(key_pool_ptr.dtype.element_ty), mask=mask)
+    value = tl.load(values_ptr + token * stride_vn + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    tl.store(value_pool_ptr + target, value.to(value_pool_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(
+    key_pool: torch.Tensor, value_pool: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> None:
+    """Triton version of `reference.write_kv`: K and V of a step in one launch instead of two `index_copy_`s (at
+    rollout batch sizes each is a launch-bound kernel, once per layer and forward)."""
+    num_tokens, num_kv_heads, head_dim = keys.shape
+    if not (key_pool.is_contiguous() and value_pool.is_contiguous()):
+        raise ValueError("write_kv needs contiguous K/V pools (a flat row is page * page_size + offset)")
+    if num_tokens == 0:
+        return
+    keys, values = _unit_stride(keys), _unit_stride(values)
+    _write_kv_kernel[(num_tokens,)](
+        key_pool, value_pool, rows, keys, values,
+        key_pool.stride(1), key_pool.stride(2),
+        keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
 
 
 def select_topk_candidates(scores: torch.Tensor, history_lens: torch.Tensor, num_candidates: int) -> torch.Tensor:
