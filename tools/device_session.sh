@@ -79,7 +79,7 @@ for step in "$@"; do
       --dtype ${DIV_DTYPE:-bfloat16} --json "$OUT/divergence.json" 2>&1 | grep -v -i warn | tail -20
     ;;
   qwen)
-    timeout 170 python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 64 --seq ${QWEN_SEQ:-8192} --max-new-tokens 160 \
+    timeout 290 python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 64 --seq ${QWEN_SEQ:-8192} --max-new-tokens 160 \
       --acceptance 0.8 --skip-generate --cuda-graphs --compile-layers ${QWEN_EXTRA:-} --json "$OUT/qwen.json" 2>&1 \
       | tee "$OUT/qwen.log" | grep -v -i warn | tail -20
     ;;
