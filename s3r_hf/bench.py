@@ -159,6 +159,14 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
     base = S3RConfig(draft_len=args.draft_len, min_budget=args.min_budget, page_size=16,
                      prefill_chunk_size=args.prefill_chunk, cuda_graphs=args.cuda_graphs,
                      compile_layers=args.compile_layers, concurrency_min=batch, concurrency_max=batch)
+    if args.warmup:
+        # First-use costs (compilation of new shape classes, Triton compilation, allocator growth) fall here, not
+        # in a timed call. H200, 2026-11-29: without this, the first AR run of the Qwen3-1.7B shape timed 27.1 ms
+        # per step and a repeat of the same command 18.0 ms; where the 9 ms went was not found.
+        warmup_tokens = min(args.max_new_tokens, 2 * (args.draft_len + 1))
+        for mode, config in [("ar", base)] + [("s3r", S3RConfig(**{**base.to_dict(), "budget_ratio": args.budget[0]}))]:
+            _release_memory(device)
+            time_engine(model, input_ids[:batch], warmup_tokens, config, mode, args.acceptance)
     _release_memory(device)
     ar = time_engine(model, input_ids, args.max_new_tokens, base, "ar", None, args.stages)
     point["engine_ar"] = {k: v for k, v in ar.items() if k != "sequences"}
@@ -262,6 +270,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-layers", action="store_true",
                         help="torch.compile the decoder layers (S3RConfig.compile_layers); with --cuda-graphs the "
                         "compilation falls in prefill and graph captures, which are not timed")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="skip the short untimed AR and S3R calls that compile and autotune before each point")
     parser.add_argument("--stages", action="store_true",
                         help="also time each stage of a round (synchronizes between stages: slower, for profiling)")
     parser.add_argument("--json", help="write all results to this file")
