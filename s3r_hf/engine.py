@@ -213,7 +213,8 @@ class S3REngine:
     def _make_room_for_round(self, running: list[Request], paused: deque) -> None:
         """Reserve every running request's block; pause (offload) the smallest requests until it fits."""
         while True:
-            needed = sum(self._pages_missing_for_round(r) for r in running)
+            ends = [r.committed + self._draft_count(r) + 1 for r in running]  # K/V length at the round's end
+            needed = sum(self._pages_missing(r.slot, end) for r, end in zip(running, ends))
             if needed <= self.cache.allocator.num_free:
                 break
             if len(running) == 1:
@@ -226,13 +227,12 @@ class S3REngine:
             victim.status = RequestStatus.PAUSED
             paused.append(victim)
             logger.info("paused request %d (%d KV tokens) under KV pressure", victim.row, victim.kv_tokens)
-        for request in running:
-            self.cache.reserve(request.slot, request.committed + self._draft_count(request) + 1)
+        for request, end in zip(running, ends):
+            self.cache.reserve(request.slot, end)
         self.stats.peak_kv_pages = max(self.stats.peak_kv_pages, self.cache.allocator.num_used)
 
-    def _pages_missing_for_round(self, request: Request) -> int:
-        held = len(self.cache.page_lists[request.slot])
-        return max(0, self.cache.pages_for(request.committed + self._draft_count(request) + 1) - held)
+    def _pages_missing(self, slot: int, length: int) -> int:
+        return max(0, self.cache.pages_for(length) - len(self.cache.page_lists[slot]))
 
     # ================================================================ forward
     def _forward(
