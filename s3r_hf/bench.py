@@ -146,7 +146,9 @@ def greedy_agreement(s3r: torch.Tensor, ar: torch.Tensor, prompt_len: int) -> di
 
 def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
     device = str(model.device)
-    requests = max(batch, args.requests or batch)
+    requests = args.requests or batch
+    if requests < batch:
+        raise ValueError(f"--requests ({requests}) must be at least the batch size ({batch})")
     if tokenizer is not None:
         input_ids = text_prompts(tokenizer, requests, seq, Path(args.data)).to(device)
     else:
@@ -164,9 +166,10 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
         # in a timed call. H200, 2026-11-29: without this, the first AR run of the Qwen3-1.7B shape timed 27.1 ms
         # per step and a repeat of the same command 18.0 ms; where the 9 ms went was not found.
         warmup_tokens = min(args.max_new_tokens, 2 * (args.draft_len + 1))
-        for mode, config in [("ar", base)] + [("s3r", S3RConfig(**{**base.to_dict(), "budget_ratio": args.budget[0]}))]:
+        first_budget = S3RConfig(**{**base.to_dict(), "budget_ratio": args.budget[0]})
+        for mode, config, acceptance in [("ar", base, None), ("s3r", first_budget, args.acceptance)]:
             _release_memory(device)
-            time_engine(model, input_ids[:batch], warmup_tokens, config, mode, args.acceptance)
+            time_engine(model, input_ids[:batch], warmup_tokens, config, mode, acceptance)
     _release_memory(device)
     ar = time_engine(model, input_ids, args.max_new_tokens, base, "ar", None, args.stages)
     point["engine_ar"] = {k: v for k, v in ar.items() if k != "sequences"}

@@ -572,7 +572,7 @@ class S3REngine:
         flat_scores = self.sampling.logits_processor(rows, histories, logits)
         width = max(draft_counts) + 1
         if len(block_rows) == width * len(requests):  # every block is full: the rows are already in place
-            return plan, logits, cu, flat_scores.view(len(requests), width, -1)
+            return plan, logits, cu, flat_scores.reshape(len(requests), width, -1)
         target_scores = torch.zeros(len(requests), width, flat_scores.shape[-1], device=self.device)
         target_scores[self._tensor(block_rows), self._tensor(block_offsets)] = flat_scores
         return plan, logits, cu, target_scores

@@ -58,3 +58,11 @@ def test_bench_runs_a_queue_of_requests_at_most_batch_at_a_time(tmp_path):
         assert 1.0 <= run["mean_rows_per_step"] <= 2.0
     # All five rows of greedy S3R equal those of greedy engine AR.
     assert point["s3r"]["0.5"]["greedy_matches_ar"] is True
+
+
+def test_bench_refuses_fewer_requests_than_the_batch():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"--requests \(2\) must be at least the batch size \(4\)"):
+        main(["bench", "--model", "qwen3-tiny", "--batch", "4", "--requests", "2", "--seq", "16", "--device", "cpu",
+              "--dtype", "float32", "--skip-generate"])
