@@ -49,6 +49,25 @@ class SamplingSetup:
     output_logits: bool = False
 
 
+@dataclass
+class _RoundStart:
+    """Per request (in order): the pending token, the committed length and the drafts of a round."""
+
+    pending: list[int]
+    committed: list[int]
+    draft_counts: list[int]
+
+
+@dataclass
+class _PrelaunchedDrafts:
+    """A round's draft phase, launched before the host committed the round before it (`S3REngine._prelaunch`)."""
+
+    requests: list[Request]
+    draft_counts: list[int]
+    tables: torch.Tensor
+    drafts: DraftOutputs
+
+
 class S3REngine:
     """Runs a batch of `Request`s to completion with S3R.
 
@@ -100,6 +119,9 @@ class S3REngine:
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self._supports_logits_to_keep = "logits_to_keep" in parameters
         self.graphs: DecodeGraphs | None = None
+        # The next round's draft phase, when it could be launched before this round's host commit.
+        self._prelaunched: _PrelaunchedDrafts | None = None
+        self._may_prelaunch = False
         self._captured_before_stage = 0.0  # capture seconds already counted when the current stage began
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         # The round's draft passes run as one device-side program unless a logits processor reads the history
@@ -127,27 +149,42 @@ class S3REngine:
         running: list[Request] = []
         paused: deque[Request] = deque()
         compiled = compiled_decoder_layers(self.model) if self.config.compile_layers else contextlib.nullcontext()
+        # Wall time is split between prefill and decoding at the switches between them only (the device is
+        # synchronized there when timing), so consecutive rounds keep overlapping as they do untimed.
+        phase, phase_started = None, 0.0
         with s3r_attention(self.model, packed=True), compiled:
             while waiting or running or paused:
                 self._restore_and_admit(waiting, running, paused)
                 prefilling = [r for r in running if r.prefilled < r.prompt_len]
-                started = self._clock()
+                step_kind = "prefill" if prefilling else "decode"
+                if phase != step_kind:
+                    phase_started, phase = self._end_phase(phase, phase_started), step_kind
                 if prefilling:
                     self._prefill_step(prefilling)
-                    self.stats.prefill_seconds += self._clock() - started
                 else:
                     self._make_room_for_round(running, paused)
+                    # Only when the next round can hold no one new; with stage timing every stage stays apart.
+                    self._may_prelaunch = not waiting and not paused and self.timing != "stages"
                     self._round(running)
-                    self.stats.decode_seconds += self._clock() - started
                 for request in [r for r in running if r.status is RequestStatus.FINISHED]:
                     running.remove(request)
                     self.cache.release(request.slot)
                     request.slot = None
                 self.concurrency.update(self.cache.utilization, len(paused))
+            self._end_phase(phase, phase_started)
         if self.graphs is not None:
             self.stats.graph_captures = self.graphs.captures
             self.stats.graph_capture_seconds = self.graphs.capture_seconds
         return self.stats
+
+    def _end_phase(self, phase: str | None, started: float) -> float:
+        """Add the time since `started` to the `phase` ("prefill" or "decode") totals; returns the time now."""
+        now = self._clock()
+        if phase == "prefill":
+            self.stats.prefill_seconds += now - started
+        elif phase == "decode":
+            self.stats.decode_seconds += now - started
+        return now
 
     def _clock(self) -> float:
         if self.timing and self.device.type == "cuda":
@@ -368,11 +405,15 @@ class S3REngine:
     # ================================================================ one S3R round
     def _draft_count(self, request: Request) -> int:
         """Drafts this round: `max_new_tokens` shortens the last block (the round adds drafts + 1 tokens)."""
+        return self._draft_count_for(request.remaining)
+
+    def _draft_count_for(self, remaining: int) -> int:
+        """Drafts of a round that starts with `remaining` tokens left to generate."""
         if self.mode == "ar":
             return 0
         if self.mode == "unverified":
-            return min(self.config.draft_len, request.remaining)
-        return max(0, min(self.config.draft_len, request.remaining - 1))
+            return min(self.config.draft_len, remaining)
+        return max(0, min(self.config.draft_len, remaining - 1))
 
     def _round(self, requests: list[Request]) -> None:
         if not requests:
@@ -383,12 +424,17 @@ class S3REngine:
             self._captured_before_stage = self._capture_seconds()
         draft_counts = [self._draft_count(r) for r in requests]
         max_drafts = max(draft_counts, default=0)
-        # Pages for the whole round were reserved before it: one block table serves every forward of the round.
-        tables = self.cache.block_tables([r.slot for r in requests])
-        if max_drafts > 0 and self.draft_phase is not None:
-            drafts = self._run_draft_phase(requests, draft_counts, tables, max_drafts)
+        prelaunched = self._take_prelaunched(requests, draft_counts)
+        if prelaunched is not None:  # drafted while the host committed the previous round
+            tables, draft_tokens, draft_scores = prelaunched
+        elif max_drafts > 0 and self.draft_phase is not None:
+            # Pages for the whole round were reserved before it: one block table serves every forward of the round.
+            tables = self.cache.block_tables([r.slot for r in requests])
+            start = _RoundStart([r.pending for r in requests], [r.committed for r in requests], draft_counts)
+            drafts = self._run_draft_phase(requests, start, tables)
             draft_tokens, draft_scores = drafts.tokens, drafts.scores
         else:
+            tables = self.cache.block_tables([r.slot for r in requests])
             draft_tokens = torch.zeros(len(requests), max(max_drafts, 1), dtype=torch.long, device=self.device)
             draft_scores = torch.zeros(len(requests), max(max_drafts, 1), self.vocab_size, device=self.device)
             for step in range(max_drafts):
@@ -422,9 +468,13 @@ class S3REngine:
         next_list = [row[1] for row in decision]
         draft_list = [row[2:] for row in decision]
         started = self._stage_done("accept", started)
+        # K/V of the pending token and the accepted drafts are now dense and valid; the rest is discarded.
+        contexts = [r.committed + accepted + 1 for r, accepted in zip(requests, accepted_list)]
+        for request, context in zip(requests, contexts):
+            request.committed = context
+            self.cache.set_length(request.slot, context)
         if self.mode != "ar":  # dense decoding never drafts, so it keeps no index views
             # Views of requests that finish this round are rebuilt too (harmless: their slots are released after it).
-            contexts = [r.committed + accepted + 1 for r, accepted in zip(requests, accepted_list)]
             self.refresh_views(plan, list(range(len(requests))), requests, contexts)
         started = self._stage_done("refresh", started)
         logprobs = None
@@ -434,6 +484,8 @@ class S3REngine:
             proposed = torch.cat([draft_tokens, spare], dim=1)[:, : target_scores.shape[1]]
             proposed[torch.arange(len(requests), device=self.device), num_accepted] = next_tokens
             logprobs = self._logprobs(target_scores, proposed)
+        if self._may_prelaunch:
+            self._prelaunch(requests, accepted_list, next_list)
         # Scores, logits and stopping criteria are read token by token; without them a row's block is committed
         # in one go, which at B=64 saves a few hundred Python calls per round while the device waits.
         per_token = (
@@ -441,7 +493,6 @@ class S3REngine:
         )
         committed_counts = []
         for row, request in enumerate(requests):
-            context = request.committed
             proposals = draft_list[row][: accepted_list[row]] + [next_list[row]]
             row_logprobs = logprobs[row] if logprobs is not None else None
             if per_token:
@@ -455,27 +506,59 @@ class S3REngine:
             else:
                 count = self._commit_block(request, proposals, row_logprobs)
             committed_counts.append(count)
-            # K/V of the pending token and the accepted drafts are now dense and valid; the rest is discarded.
-            request.committed = context + accepted_list[row] + 1
-            self.cache.set_length(request.slot, request.committed)
         self.stats.steps += 1
         self.stats.record_round(draft_counts, accepted_list, committed_counts)
         self._stage_done("commit", started)
 
-    def _run_draft_phase(
-        self, requests: list[Request], draft_counts: list[int], tables: torch.Tensor, max_drafts: int
-    ) -> DraftOutputs:
+    def _prelaunch(self, requests: list[Request], accepted: list[int], next_tokens: list[int]) -> None:
+        """Launch the next round's draft phase now, from the lengths and pending tokens this round's decision
+        implies (set in `_round` before), so the device drafts while the host commits this round.
+
+        Requests that finish in this round (EOS, `max_new_tokens`, a stopping criterion) are drafted for too and
+        dropped from the outputs in the next round (`_take_prelaunched`); their writes go to their own reserved
+        pages or the scratch row. Skipped when the next round's pages do not fit without pausing someone.
+        """
+        if self.draft_phase is None:
+            return
+        counts = [self._draft_count_for(r.remaining - (a + 1)) for r, a in zip(requests, accepted)]
+        if max(counts, default=0) == 0:
+            return
+        ends = [r.committed + count + 1 for r, count in zip(requests, counts)]
+        if sum(self._pages_missing(r.slot, end) for r, end in zip(requests, ends)) > self.cache.allocator.num_free:
+            return
+        for request, end in zip(requests, ends):
+            self.cache.reserve(request.slot, end)
+        tables = self.cache.block_tables([r.slot for r in requests])
+        start = _RoundStart(next_tokens, [r.committed for r in requests], counts)
+        drafts = self._run_draft_phase(requests, start, tables)
+        self._prelaunched = _PrelaunchedDrafts(list(requests), counts, tables, drafts)  # `requests` is mutated
+
+    def _take_prelaunched(self, requests: list[Request], draft_counts: list[int]):
+        """`(tables, draft tokens, draft scores)` of `requests` from the prelaunched draft phase, or None when there
+        is none or it does not cover this round (then the round drafts again, over the provisional K/V)."""
+        launched, self._prelaunched = self._prelaunched, None
+        if launched is None:
+            return None
+        index = {id(request): row for row, request in enumerate(launched.requests)}
+        rows = [index.get(id(request)) for request in requests]
+        if None in rows or [launched.draft_counts[row] for row in rows] != draft_counts:
+            return None
+        tokens, scores = launched.drafts.tokens, launched.drafts.scores
+        if len(rows) == len(launched.requests):
+            return launched.tables, tokens, scores
+        keep = self._tensor(rows)  # requests that finished in the previous round are gone
+        return launched.tables[keep], tokens[keep], scores[keep]
+
+    def _run_draft_phase(self, requests: list[Request], start: _RoundStart, tables: torch.Tensor) -> DraftOutputs:
         """Every draft pass of the round on the device: one graph replay, or the same program run eagerly."""
-        metadata = self._tensor([
-            [r.pending for r in requests], [r.committed for r in requests], draft_counts, [r.slot for r in requests]
-        ])
+        metadata = self._tensor([start.pending, start.committed, start.draft_counts, [r.slot for r in requests]])
         pending, committed, num_drafts, slots = metadata.unbind(0)
         inputs = DraftInputs(pending, committed, num_drafts, slots, tables, noise=None)
         if self.graphs is not None and self.graphs.supports_draft_phase(len(requests)):
             return self.graphs.run_draft_phase(self.draft_phase, inputs, self.sampling.generator)
         noise = self.draft_phase.noise_buffer(len(requests), self.device)
         inputs.noise = None if noise is None else draw_noise(noise, self.sampling.generator)
-        return self.draft_phase(inputs, max(r.view_len for r in requests), passes=max_drafts)
+        return self.draft_phase(inputs, max(r.view_len for r in requests), passes=max(start.draft_counts))
 
     def _forced_accept(self, draft_tokens, target_scores, num_drafts):
         """Benchmark-only acceptance pattern (NOT exact): each draft passes with probability `forced_acceptance`."""

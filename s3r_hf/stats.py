@@ -23,8 +23,10 @@ class S3RStats:
     offload_episodes: int = 0  # requests paused (KV moved to host memory) under KV pressure
     pages_offloaded: int = 0
     peak_kv_pages: int = 0
-    prefill_seconds: float = 0.0  # wall time of prefill steps (device-synchronized when the engine times)
-    decode_seconds: float = 0.0  # wall time of draft/verify rounds (CUDA-graph captures included)
+    # Wall time of prefill steps and of decoding rounds; when the engine times, the device is synchronized where
+    # the engine switches between the two (not between rounds, which overlap).
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0  # CUDA-graph captures included
     graph_captures: int = 0
     graph_capture_seconds: float = 0.0  # part of decode_seconds spent capturing CUDA graphs
     # Per-stage wall time of the rounds (draft, verify, accept, refresh) with `s3r_timing="stages"` only: the

@@ -1,0 +1,83 @@
+"""The next round's draft phase launched before the host commits a round: same tokens as without it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import s3r_hf
+from s3r_hf import S3RConfig
+from s3r_hf.engine import S3REngine
+from tests.conftest import left_padded_batch, tiny_model
+
+DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
+
+
+@pytest.fixture
+def prelaunch_uses(monkeypatch):
+    """Counts of rounds that drafted before the previous commit: all requests, or the survivors of a round in
+    which some finished."""
+    uses = {"whole": 0, "survivors": 0}
+    take = S3REngine._take_prelaunched
+
+    def counting(engine, requests, draft_counts):
+        launched = engine._prelaunched
+        result = take(engine, requests, draft_counts)
+        if result is not None:
+            uses["whole" if len(requests) == len(launched.requests) else "survivors"] += 1
+        return result
+
+    monkeypatch.setattr(S3REngine, "_take_prelaunched", counting)
+    return uses
+
+
+def _generate_early_and_apart(model, input_ids, attention_mask, **kwargs):
+    """The same call with the early draft launch and with stage timing, which keeps every stage of a round apart
+    (no early launch)."""
+    config = S3RConfig(draft_len=4, budget_ratio=0.2, min_budget=2, page_size=4, seed=3,
+                       cuda_graphs=DEVICE.type == "cuda")
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=40, eos_token_id=[7, 11], pad_token_id=0,
+                  s3r_config=config, **kwargs)
+    return model.generate(input_ids, **kwargs), model.generate(input_ids, s3r_timing="stages", **kwargs)
+
+
+def test_prelaunched_rounds_commit_the_same_greedy_tokens(prelaunch_uses):
+    """EOS inside blocks makes requests finish at different rounds, so later rounds use the survivors' rows of a
+    draft phase launched for all."""
+    model = s3r_hf.enable(tiny_model("llama", seed=41).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([7, 19, 30, 12, 25], seed=42))
+    dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40,
+                           eos_token_id=[7, 11], pad_token_id=0)
+    early, apart = _generate_early_and_apart(model, input_ids, attention_mask, do_sample=False)
+    assert prelaunch_uses["whole"] > 0 and prelaunch_uses["survivors"] > 0, prelaunch_uses
+    assert torch.equal(early, apart)
+    assert torch.equal(early, dense)
+    lengths = (early[:, input_ids.shape[1]:] != 0).sum(dim=1)
+    assert len(set(lengths.tolist())) > 1, "requests should finish at different rounds"
+
+
+def test_prelaunched_rounds_draw_the_same_random_numbers(prelaunch_uses):
+    """Seeded sampling of one request: the early launch draws its draft noise where the next round would have, so
+    the samples are the very same. (With several requests the early phase also draws noise for the rows that
+    finish, which shifts the stream; the G-tests check that the distribution stays exact.)"""
+    model = s3r_hf.enable(tiny_model("llama", seed=45).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([23], seed=46))
+    early, apart = _generate_early_and_apart(model, input_ids, attention_mask, do_sample=True)
+    assert prelaunch_uses["whole"] > 0
+    assert torch.equal(early, apart)
+
+
+def test_no_early_launch_while_requests_wait_for_a_slot(prelaunch_uses):
+    """With a queue, a finished request's slot goes to a waiting one, which the early draft phase did not cover;
+    the engine launches early only once nothing waits, and the tokens still match dense greedy decoding."""
+    model = s3r_hf.enable(tiny_model("qwen3", seed=43).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 14, 21, 6], seed=44))
+    dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=24)
+    config = S3RConfig(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, concurrency_min=2,
+                       concurrency_max=2, cuda_graphs=DEVICE.type == "cuda")
+    out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=24,
+                         s3r_config=config)
+    assert torch.equal(out, dense)
+    assert prelaunch_uses["whole"] > 0
