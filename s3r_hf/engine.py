@@ -544,7 +544,7 @@ class S3REngine:
         if None in rows or [launched.draft_counts[row] for row in rows] != draft_counts:
             return None
         tokens, scores = launched.drafts.tokens, launched.drafts.scores
-        if len(rows) == len(launched.requests):
+        if rows == list(range(len(launched.requests))):
             return launched.tables, tokens, scores
         keep = self._tensor(rows)  # requests that finished in the previous round are gone
         return launched.tables[keep], tokens[keep], scores[keep]
