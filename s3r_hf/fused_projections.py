@@ -9,7 +9,8 @@ concatenated weights and returns its own columns. Traced together, the group's s
 per member, so they are installed only under `torch.compile` (`compiled_layers.py`).
 
 The concatenated weights are copies made when the engine starts (so an optimizer step between rollouts is
-picked up) and dropped when it ends; the model's own parameters are never touched.
+picked up) and dropped when it ends; the model's own parameters are never touched. The copies cost memory for
+the call: 139 MB for SmolLM2-135M, 1.9 GB for Qwen3-1.7B in bf16.
 """
 
 from __future__ import annotations
