@@ -17,10 +17,15 @@ DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
 
 @pytest.fixture
 def prelaunch_uses(monkeypatch):
-    """Counts of rounds that drafted before the previous commit: all requests, or the survivors of a round in
-    which some finished."""
-    uses = {"whole": 0, "survivors": 0}
-    take = S3REngine._take_prelaunched
+    """Early draft phases launched, and rounds that used one: for all their requests, or for the survivors of a
+    round in which some finished."""
+    uses = {"launched": 0, "whole": 0, "survivors": 0}
+    take, prelaunch = S3REngine._take_prelaunched, S3REngine._prelaunch
+
+    def counting_launches(engine, *args):
+        before = engine._prelaunched
+        prelaunch(engine, *args)
+        uses["launched"] += engine._prelaunched is not before
 
     def counting(engine, requests, draft_counts):
         launched = engine._prelaunched
@@ -30,17 +35,22 @@ def prelaunch_uses(monkeypatch):
         return result
 
     monkeypatch.setattr(S3REngine, "_take_prelaunched", counting)
+    monkeypatch.setattr(S3REngine, "_prelaunch", counting_launches)
     return uses
 
 
-def _generate_early_and_apart(model, input_ids, attention_mask, **kwargs):
+def _generate_early_and_apart(model, input_ids, attention_mask, uses, **kwargs):
     """The same call with the early draft launch and with stage timing, which keeps every stage of a round apart
     (no early launch)."""
     config = S3RConfig(draft_len=4, budget_ratio=0.2, min_budget=2, page_size=4, seed=3,
                        cuda_graphs=DEVICE.type == "cuda")
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=40, eos_token_id=[7, 11], pad_token_id=0,
                   s3r_config=config, **kwargs)
-    return model.generate(input_ids, **kwargs), model.generate(input_ids, s3r_timing="stages", **kwargs)
+    early = model.generate(input_ids, **kwargs)
+    launched = uses["launched"]
+    apart = model.generate(input_ids, s3r_timing="stages", **kwargs)
+    assert uses["launched"] == launched, "stage timing must not launch early"
+    return early, apart
 
 
 def test_prelaunched_rounds_commit_the_same_greedy_tokens(prelaunch_uses):
@@ -50,7 +60,8 @@ def test_prelaunched_rounds_commit_the_same_greedy_tokens(prelaunch_uses):
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([7, 19, 30, 12, 25], seed=42))
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40,
                            eos_token_id=[7, 11], pad_token_id=0)
-    early, apart = _generate_early_and_apart(model, input_ids, attention_mask, do_sample=False)
+    early, apart = _generate_early_and_apart(model, input_ids, attention_mask, prelaunch_uses,
+                                             do_sample=False)
     assert prelaunch_uses["whole"] > 0 and prelaunch_uses["survivors"] > 0, prelaunch_uses
     assert torch.equal(early, apart)
     assert torch.equal(early, dense)
@@ -64,7 +75,8 @@ def test_prelaunched_rounds_draw_the_same_random_numbers(prelaunch_uses):
     finish, which shifts the stream; the G-tests check that the distribution stays exact.)"""
     model = s3r_hf.enable(tiny_model("llama", seed=45).to(DEVICE))
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([23], seed=46))
-    early, apart = _generate_early_and_apart(model, input_ids, attention_mask, do_sample=True)
+    early, apart = _generate_early_and_apart(model, input_ids, attention_mask, prelaunch_uses,
+                                             do_sample=True)
     assert prelaunch_uses["whole"] > 0
     assert torch.equal(early, apart)
 
@@ -81,3 +93,5 @@ def test_no_early_launch_while_requests_wait_for_a_slot(prelaunch_uses):
                          s3r_config=config)
     assert torch.equal(out, dense)
     assert prelaunch_uses["whole"] > 0
+    # Every early phase was used: none was launched for a set of requests that a newcomer then joined.
+    assert prelaunch_uses["launched"] == prelaunch_uses["whole"] + prelaunch_uses["survivors"], prelaunch_uses
