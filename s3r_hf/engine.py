@@ -251,8 +251,7 @@ class S3REngine:
         """Reserve every running request's block; pause (offload) the smallest requests until it fits."""
         while True:
             ends = [r.committed + self._draft_count(r) + 1 for r in running]  # K/V length at the round's end
-            needed = sum(self._pages_missing(r.slot, end) for r, end in zip(running, ends))
-            if needed <= self.cache.allocator.num_free:
+            if self._reserve_if_fits(running, ends):
                 break
             if len(running) == 1:
                 raise KVCapacityError("KV capacity too small for one request's next round")
@@ -264,12 +263,19 @@ class S3REngine:
             victim.status = RequestStatus.PAUSED
             paused.append(victim)
             logger.info("paused request %d (%d KV tokens) under KV pressure", victim.row, victim.kv_tokens)
-        for request, end in zip(running, ends):
-            self.cache.reserve(request.slot, end)
         self.stats.peak_kv_pages = max(self.stats.peak_kv_pages, self.cache.allocator.num_used)
 
-    def _pages_missing(self, slot: int, length: int) -> int:
-        return max(0, self.cache.pages_for(length) - len(self.cache.page_lists[slot]))
+    def _reserve_if_fits(self, requests: list[Request], ends: list[int]) -> bool:
+        """Reserve pages for each request's K/V up to its `ends` entry if the free pages cover all of them at once;
+        returns whether it did (reserving nothing otherwise)."""
+        needed = sum(
+            max(0, self.cache.pages_for(end) - len(self.cache.page_lists[r.slot])) for r, end in zip(requests, ends)
+        )
+        if needed > self.cache.allocator.num_free:
+            return False
+        for request, end in zip(requests, ends):
+            self.cache.reserve(request.slot, end)
+        return True
 
     # ================================================================ forward
     def _forward(
@@ -523,11 +529,8 @@ class S3REngine:
         counts = [self._draft_count_for(r.remaining - (a + 1)) for r, a in zip(requests, accepted)]
         if max(counts, default=0) == 0:
             return
-        ends = [r.committed + count + 1 for r, count in zip(requests, counts)]
-        if sum(self._pages_missing(r.slot, end) for r, end in zip(requests, ends)) > self.cache.allocator.num_free:
+        if not self._reserve_if_fits(requests, [r.committed + count + 1 for r, count in zip(requests, counts)]):
             return
-        for request, end in zip(requests, ends):
-            self.cache.reserve(request.slot, end)
         tables = self.cache.block_tables([r.slot for r in requests])
         start = _RoundStart(next_tokens, [r.committed for r in requests], counts)
         drafts = self._run_draft_phase(requests, start, tables)
