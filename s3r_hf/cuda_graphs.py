@@ -189,11 +189,13 @@ class DecodeGraphs:
         positions = torch.zeros(bucket, **int32)
         block_tables = torch.zeros(bucket, self.max_pages, **int32)
         plan = StepPlan(write_index=torch.zeros(bucket, **long), position_ids=torch.zeros(1, bucket, **long))
+        # Dense kernels choose their key splits from the grid and `max_context`, both fixed for a graph; sparse
+        # draft steps read a few hundred keys and stay unsplit.
         if kind == "dense":
             plan.dense = DenseSegments(
                 query_index=None, cu_seqlens=torch.arange(bucket + 1, **int32), positions=positions,
                 block_tables=block_tables, score_starts=None, history_lens=torch.zeros(bucket, **long),
-                num_candidates=0, max_query_len=1, max_context=self.max_context, num_splits=1,
+                num_candidates=0, max_query_len=1, max_context=self.max_context, num_splits=None,
             )
         elif kind == "verify":
             tokens = bucket * (self.draft_len + 1)
@@ -203,7 +205,7 @@ class DecodeGraphs:
                 positions=torch.zeros(tokens, **int32), block_tables=torch.zeros(bucket + 1, self.max_pages, **int32),
                 score_starts=torch.zeros(bucket + 1, **int32), history_lens=torch.zeros(bucket + 1, **long),
                 num_candidates=self.max_candidates, max_query_len=self.draft_len + 1, max_context=self.max_context,
-                max_scored_queries=self.draft_len + 1, num_splits=1,
+                max_scored_queries=self.draft_len + 1, num_splits=None,
             )
             return _CapturedStep(graph=None, plan=plan, input_ids=torch.zeros(1, tokens, **long))
         else:

@@ -39,19 +39,9 @@ def key_splits(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture
-def poisoned_score_scratch(monkeypatch):
-    """The verify-score scratch is not initialised: fill it with NaN so a read of an unwritten entry shows."""
-    monkeypatch.setattr(
-        triton_backend, "_score_scratch",
-        lambda shape, device: torch.full(shape, float("nan"), dtype=torch.float32, device=device),
-    )
-
-
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
 @pytest.mark.parametrize("scored", [False, True])
-@pytest.mark.usefixtures("poisoned_score_scratch")
 def test_dense_attention_matches_reference(page_size, group, scored, key_splits):
     generator = torch.Generator().manual_seed(page_size * 10 + group)
     num_kv_heads, head_dim = 2, 16
@@ -74,8 +64,7 @@ def test_dense_attention_matches_reference(page_size, group, scored, key_splits)
         assert actual[2] is None
 
 
-@pytest.mark.usefixtures("poisoned_score_scratch")
-def test_scores_of_more_rows_than_one_reduction_tile():
+def test_scores_of_more_rows_than_one_score_tile():
     """A prefill chunk may score many queries: 40 queries x 2 heads = 80 scored rows, over one 64-row tile."""
     generator = torch.Generator().manual_seed(5)
     page_size, num_kv_heads, group, head_dim = 4, 2, 2, 16
@@ -90,6 +79,25 @@ def test_scores_of_more_rows_than_one_reduction_tile():
     args = (query, key_pool, value_pool, tables, cu, positions, 0.3, starts)
     expected = reference.paged_dense_attention(*args)[2]
     torch.testing.assert_close(triton_backend.paged_dense_attention(*args)[2], expected, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_merge_of_split_results_matches_reference(dtype):
+    """Splits that saw no key (lse -inf) weigh nothing; a row no split saw comes out as zeros with lse -inf."""
+    generator = torch.Generator().manual_seed(11)
+    splits, num_queries, num_heads, head_dim = 3, 5, 6, 16
+    partial = torch.randn(splits, num_queries, num_heads, head_dim, generator=generator)
+    partial_lse = torch.randn(splits, num_queries, num_heads, generator=generator) * 4
+    partial_lse[1, 0] = float("-inf")  # split 1 saw no key of query 0
+    partial_lse[:, 2, 3] = float("-inf")  # no split saw a key of query 2, head 3
+    partial[:, 2, 3] = 0.0  # what the kernels store for an empty split
+    partial, partial_lse = partial.to(DEVICE), partial_lse.to(DEVICE)
+    expected = reference.merge_splits(partial, partial_lse, dtype)
+    actual = triton_backend.merge_splits(partial, partial_lse, dtype)
+    assert actual[0].dtype == dtype
+    torch.testing.assert_close(actual[0], expected[0], **(TOL if dtype == torch.float32 else {}))
+    torch.testing.assert_close(actual[1], expected[1], **TOL)
+    assert torch.all(actual[0][2, 3] == 0) and actual[1][2, 3] == float("-inf")
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])

@@ -84,27 +84,27 @@ def tune_point(
     kernels = {
         "dense": (lambda splits: triton_backend.paged_dense_attention(
             q1, key_pool, value_pool, tables, cu1, pos1, scale, max_query_len=1, max_context=seq,
-            num_splits=splits)[0], (1, 2, 4, 8), kv_bytes),
+            num_splits=splits)[0], (None, 1, 2, 4, 8), kv_bytes),
         "verify": (lambda splits: triton_backend.paged_dense_attention(
             qv, key_pool, value_pool, tables, cuv, posv, scale, starts, max_query_len=BLOCK, max_context=seq,
-            max_scored_queries=BLOCK, num_splits=splits)[2], (1, 2, 4, 8), kv_bytes),
+            max_scored_queries=BLOCK, num_splits=splits)[2], (None, 1, 2, 4, 8), kv_bytes),
         # The same block without scores: what the score material costs the verify.
         "verify-unscored": (lambda splits: triton_backend.paged_dense_attention(
             qv, key_pool, value_pool, tables, cuv, posv, scale, max_query_len=BLOCK, max_context=seq,
-            num_splits=splits)[0], (1, 2, 4, 8), kv_bytes),
+            num_splits=splits)[0], (None, 1, 2, 4, 8), kv_bytes),
         "sparse": (lambda splits: triton_backend.paged_sparse_attention(
             q1, key_pool, value_pool, tables, view, lens, tails, pos_s, scale, max_keys=budget + 3,
-            num_splits=splits)[0], (1, 2, 4), kv_bytes * budget / seq),
+            num_splits=splits)[0], (None, 1, 2, 4), kv_bytes * budget / seq),
     }
     results = {"model": name, "batch": batch, "seq": seq, "floor_ms": kv_bytes / bandwidth * 1e3, "kernels": {}}
     chosen = triton_backend.launch_settings
     for kernel, (run, split_options, bytes_read) in kernels.items():
-        default = chosen(dim, scored=kernel == "verify")
+        default = chosen(dim)
         baseline = None
         rows = []
         launches = [default] + ([] if chosen_only else [v for v in LAUNCHES if v != default])
         for launch, splits in itertools.product(launches, split_options):
-            triton_backend.launch_settings = lambda head_dim, scored=False, launch=launch: launch
+            triton_backend.launch_settings = lambda head_dim, launch=launch: launch
             try:
                 output = run(splits)
                 if baseline is None:
@@ -117,9 +117,11 @@ def tune_point(
         rows.sort(key=lambda row: row["ms"])
         results["kernels"][kernel] = {"floor_ms": bytes_read / bandwidth * 1e3, "chosen": default, "variants": rows}
         best = rows[0]
-        chosen_row = next(r for r in rows if r["splits"] == 1 and r.items() >= default.items())
+        # `splits` None: the count the kernel chooses for this grid, as the engine's graphs run it.
+        chosen_row = next(r for r in rows if r["splits"] is None and r.items() >= default.items())
+        unsplit = next(r for r in rows if r["splits"] == 1 and r.items() >= default.items())
         print(f"{name} B={batch} S={seq} {kernel:>6}: floor {bytes_read / bandwidth * 1e3:.3f} ms, chosen "
-              f"{chosen_row['ms']:.3f} ms, best {best['ms']:.3f} ms with {best}")
+              f"{chosen_row['ms']:.3f} ms, unsplit {unsplit['ms']:.3f} ms, best {best['ms']:.3f} ms with {best}")
     return results
 
 

@@ -121,6 +121,28 @@ def paged_dense_attention(
     return out, lse, scores
 
 
+def merge_splits(
+    partial: torch.Tensor, partial_lse: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine the softmax results of a key range split over several programs (flash-decoding).
+
+    Args:
+        partial: `[P, N, H, D]` float32, each split's output normalised over its own keys.
+        partial_lse: `[P, N, H]` each split's log-sum-exp (`-inf` where a split saw no key).
+        dtype: dtype of the merged output.
+
+    Returns:
+        `out` `[N, H, D]` in `dtype` and `lse` `[N, H]`: the attention over all keys (zeros and `-inf` for rows
+        that saw no key at all).
+    """
+    top = partial_lse.max(dim=0).values
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(partial_lse - top)
+    total = weights.sum(dim=0)
+    merged = (weights[..., None] * partial).sum(dim=0) / total.clamp(min=1e-30)[..., None]
+    return merged.to(dtype), top + torch.log(total)
+
+
 def paged_sparse_attention(
     query: torch.Tensor,
     key_pool: torch.Tensor,

@@ -2,11 +2,12 @@
 
 - `paged_sparse_attention`: one program per (draft query, KV head); reads K/V through the index view and the
   block table directly (no gather copy), online softmax over view + provisional tail.
-- `paged_dense_attention`: one program per (segment, KV head, query block) of the packed varlen batch; the
-  query block's rows are (query, GQA head) pairs so each K/V row read serves the whole group. For scored
-  segments the kernel also writes the scaled logits of the scored rows (a few rows per verify block) to a
-  scratch buffer while it streams K once; the verify scores are then `exp(logit - lse)` averaged per key
-  position, computed from that buffer without touching K again.
+- `paged_dense_attention`: one program per (segment, KV head, query block, key split) of the packed varlen
+  batch; the query block's rows are (query, GQA head) pairs so each K/V row read serves the whole group. Verify
+  scores come from a second kernel that reads only K, recomputes the scored rows' logits and sums
+  `exp(logit - lse)` with the attention's saved normalisers (the paper's Appendix B.1): one extra read of K, no
+  `[rows, keys]` logit store inside the attention loop.
+- `merge_splits`: the partial results of a split key range combined in one launch.
 - `write_kv`: a step's K and V into the pools in one launch.
 - `select_topk_candidates`: `torch.topk` on the GPU.
 
@@ -80,7 +81,7 @@ def _sparse_decode_kernel(
         v = tl.load(v_ptr + row_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    # Partial result of this split (an empty split stores lse = -inf and zeros); `_merge_splits` combines.
+    # Partial result of this split (an empty split stores lse = -inf and zeros); `merge_splits` combines.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     tl.store(
         out_ptr + split * stride_os + query * stride_on + heads[:, None] * stride_oh + dims[None, :],
@@ -138,27 +139,25 @@ def paged_sparse_attention(
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
         **launch_settings(head_dim),
     )
-    merged, merged_lse = _merge_splits(out, lse)
-    return merged.to(query.dtype), merged_lse
+    return merge_splits(out, lse, query.dtype)
 
 
-def launch_settings(head_dim: int, scored: bool = False) -> dict:
+def launch_settings(head_dim: int) -> dict:
     """Keys per loop iteration, warps and software-pipeline stages of the attention kernels.
 
     Chosen from CUDA-graph timings on the H200 (`tools/tune_kernels.py`, docs/benchmarks.md): a K tile of 8K
     elements per iteration (128 keys of a 64-wide head, 64 of a 128-wide one; never more than 128 keys) with four
-    warps; a scored verify block with 128-wide heads runs faster with two pipeline stages.
+    warps and three pipeline stages.
     """
-    stages = 2 if scored and head_dim > 64 else 3
     block_n = min(128, max(16, 8192 // triton.next_power_of_2(head_dim)))
-    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": stages}
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3}
 
 
 # Enough programs to fill the GPU several times over (132 SMs on an H100/H200).
 _TARGET_PROGRAMS = 528
-# Splitting pays only for long key ranges: the merge costs a few small kernels (H200, 2026-11-29: at B=16 a
-# 4K context decoded in 0.23 ms unsplit vs 0.52 ms split, a 16K one in 0.49 ms split vs 0.62 ms unsplit).
-_MIN_KEYS_PER_SPLIT = 4096
+# Each split's program streams at least this many keys: with the one-launch merge, splitting pays at rollout
+# batch sizes (a few hundred programs for 132 SMs) down to about a thousand keys per split.
+_MIN_KEYS_PER_SPLIT = 1024
 
 
 def _num_splits(programs: int, keys: int, min_keys: int) -> int:
@@ -166,11 +165,6 @@ def _num_splits(programs: int, keys: int, min_keys: int) -> int:
     if programs >= _TARGET_PROGRAMS:
         return 1
     return max(1, min(-(-_TARGET_PROGRAMS // max(programs, 1)), -(-keys // min_keys)))
-
-
-def _score_scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The verify-score logits, left uninitialised: the kernel writes every entry the reduction reads."""
-    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def _unit_stride(query: torch.Tensor) -> torch.Tensor:
@@ -185,31 +179,17 @@ def _out_dtype(query: torch.Tensor, splits: int) -> torch.dtype:
     return query.dtype if splits == 1 else torch.float32
 
 
-def _merge_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine per-split softmax results `[P, N, H, D]`, `[P, N, H]` into one (log-sum-exp weighting)."""
-    if out.shape[0] == 1:
-        return out[0], lse[0]
-    top = lse.max(dim=0).values
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weights = torch.exp(lse - top)
-    total = weights.sum(dim=0)
-    merged = (weights[..., None] * out).sum(dim=0) / total.clamp(min=1e-30)[..., None]
-    return merged, top + torch.log(total)
-
-
 @triton.jit
 def _dense_varlen_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, pos_ptr, out_ptr, lse_ptr, logit_ptr, score_start_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, pos_ptr, out_ptr, lse_ptr,
     stride_qn, stride_qh,
     stride_kp, stride_ko, stride_kh,
     stride_bts,
     stride_os, stride_on, stride_oh,
     stride_ls, stride_ln,
-    stride_gs, stride_gh, stride_gr,
     scale, num_q_blocks, keys_per_split,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    SCORES: tl.constexpr,
 ):
     segment = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -231,11 +211,6 @@ def _dense_varlen_kernel(
         context = tl.max(q_pos, 0) + 1
         lo = split * keys_per_split
         hi = tl.minimum(context, lo + keys_per_split)
-        if SCORES:
-            score_start = tl.load(score_start_ptr + segment)
-            score_start = tl.where(score_start >= 0, score_start, seg_end - seg_start)  # -1: not scored
-            scored_row = (query - seg_start - score_start) * GROUP + rows % GROUP
-            scored = row_ok & (query - seg_start >= score_start)
 
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
@@ -250,9 +225,6 @@ def _dense_varlen_kernel(
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
             s = tl.where(visible, s, float("-inf"))
-            if SCORES:
-                logit_offsets = segment * stride_gs + kv_head * stride_gh + scored_row[:, None] * stride_gr
-                tl.store(logit_ptr + logit_offsets + key_pos[None, :], s, mask=scored[:, None] & key_ok[None, :])
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see no key at all
             alpha = tl.exp(m_i - m_safe)
@@ -261,7 +233,7 @@ def _dense_varlen_kernel(
             v = tl.load(v_ptr + row_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        # Partial result of this split (rows without keys here store lse = -inf); `_merge_splits` combines.
+        # Partial result of this split (rows without keys here store lse = -inf); `merge_splits` combines.
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o_offsets = split * stride_os + query[:, None] * stride_on + heads[:, None] * stride_oh + dims[None, :]
         tl.store(
@@ -312,17 +284,6 @@ def paged_dense_attention(
 
     block_m = max(1, min(triton.next_power_of_2(max_len), 64 // group if group < 64 else 1))
     rows = max(16, triton.next_power_of_2(block_m * group))
-    # The kernels read the scored rows straight from `score_starts` (-1 = unscored): no torch ops per layer here,
-    # each of which is a launch-bound kernel of its own in a CUDA graph.
-    logits = None
-    if score_starts is not None:
-        score_starts = score_starts.to(torch.int32).contiguous()
-        if max_scored_queries is None:  # read back from the device (a sync) unless given
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-            max_scored_queries = int(torch.where(score_starts >= 0, lengths - score_starts, 0).max())
-        max_scored = max(1, max_scored_queries)
-        logits = _score_scratch((num_segments, num_kv_heads, max_scored * group, max(max_context, 1)), query.device)
-    scratch = logits if logits is not None else positions  # any valid pointer when scores are off
     num_q_blocks = triton.cdiv(max_len, block_m)
     splits = num_splits or _num_splits(
         num_segments * num_kv_heads * num_q_blocks, max_context, min_keys=_MIN_KEYS_PER_SPLIT
@@ -332,85 +293,167 @@ def paged_dense_attention(
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     grid = (num_segments, num_kv_heads, num_q_blocks * splits)
     _dense_varlen_kernel[grid](
-        query, key_pool, value_pool, block_tables, cu, positions, out, lse, scratch,
-        score_starts if score_starts is not None else cu,
+        query, key_pool, value_pool, block_tables, cu, positions, out, lse,
         query.stride(0), query.stride(1),
         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        scratch.stride(0) if logits is not None else 0,
-        scratch.stride(1) if logits is not None else 0,
-        scratch.stride(2) if logits is not None else 0,
         scale, num_q_blocks, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
-        **launch_settings(head_dim, scored=logits is not None),
-        SCORES=logits is not None,
+        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype), **launch_settings(head_dim),
     )
-    merged, lse = _merge_splits(out, lse)
-    out = merged.to(query.dtype)
-    if logits is None:
+    out, lse = merge_splits(out, lse, query.dtype)
+    if score_starts is None:
         return out, lse, None
-    return out, lse, _reduce_scores(logits, lse, cu, positions, score_starts, group)
+    # The kernel reads the scored rows straight from `score_starts` (-1 = unscored): no torch ops per layer here,
+    # each of which would be a launch-bound kernel of its own in a CUDA graph.
+    score_starts = score_starts.to(torch.int32).contiguous()
+    if max_scored_queries is None:  # read back from the device (a sync) unless given
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        max_scored_queries = int(torch.where(score_starts >= 0, lengths - score_starts, 0).max())
+    scores = _verify_scores(
+        query, key_pool, block_tables, cu, positions, score_starts, lse, scale, max(max_context, 1),
+        max(1, max_scored_queries) * group,
+    )
+    return out, lse, scores
 
 
 @triton.jit
-def _reduce_scores_kernel(
-    logit_ptr, lse_ptr, cu_ptr, pos_ptr, start_ptr, out_ptr,
-    stride_gs, stride_gh, stride_gr,
+def _verify_scores_kernel(
+    q_ptr, k_ptr, bt_ptr, cu_ptr, pos_ptr, start_ptr, lse_ptr, out_ptr,
+    stride_qn, stride_qh,
+    stride_kp, stride_ko, stride_kh,
+    stride_bts,
     stride_ln,
     stride_os, stride_oh,
-    length,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_L: tl.constexpr,
+    scale, length,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, PRECISION: tl.constexpr,
 ):
     segment = tl.program_id(0)
     kv_head = tl.program_id(1)
     keys = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
-    key_ok = keys < length
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
     seg_start = tl.load(cu_ptr + segment)
     seg_end = tl.load(cu_ptr + segment + 1)
     score_start = tl.load(start_ptr + segment)
     first_query = tl.where(score_start >= 0, seg_start + score_start, seg_end)  # -1: not scored, no rows
     num_rows = tl.maximum(seg_end - first_query, 0) * GROUP
+    # The last query sees the most keys; keys past it are never read (their score is zero).
+    context = tl.load(pos_ptr + seg_end - 1, mask=num_rows > 0, other=-1) + 1
+    key_ok = keys < context
+    page = tl.load(bt_ptr + segment * stride_bts + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+    row_base = page * stride_kp + (keys % PAGE_SIZE) * stride_ko + kv_head * stride_kh
+    k = tl.load(k_ptr + row_base[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
     acc = tl.zeros([BLOCK_L], tl.float32)
-    # A tile of scored (query, head) rows per iteration, one iteration for a verify block, instead of one row at a
-    # time with two dependent scalar loads each (H200, SmolLM2 4K verify: 0.195 vs 0.200 ms per layer).
+    # One K tile serves every scored (query, head) row of the segment: a verify block is a single iteration.
     for first_row in range(0, num_rows, ROWS):
         rows = first_row + tl.arange(0, ROWS)
         row_ok = rows < num_rows
         query = first_query + rows // GROUP
-        row_lse = tl.load(lse_ptr + query * stride_ln + kv_head * GROUP + rows % GROUP, mask=row_ok, other=0.0)
-        q_pos = tl.load(pos_ptr + query, mask=row_ok, other=-1)
-        # Only keys the query sees were written (the scratch is not initialised); the others weigh zero.
-        visible = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
-        logits = tl.load(
-            logit_ptr + segment * stride_gs + kv_head * stride_gh + rows[:, None] * stride_gr + keys[None, :],
-            mask=visible, other=float("-inf"),
+        heads = kv_head * GROUP + rows % GROUP
+        q = tl.load(
+            q_ptr + query[:, None] * stride_qn + heads[:, None] * stride_qh + dims[None, :],
+            mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
         )
-        acc += tl.sum(tl.exp(logits - row_lse[:, None]), 0)
-    tl.store(out_ptr + segment * stride_os + kv_head * stride_oh + keys, acc / tl.maximum(num_rows, 1), mask=key_ok)
+        row_lse = tl.load(lse_ptr + query * stride_ln + heads, mask=row_ok, other=0.0)
+        q_pos = tl.load(pos_ptr + query, mask=row_ok, other=-1)
+        # The same logits as the attention kernel's: same operands, same dot precision, same scaling.
+        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        visible = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        acc += tl.sum(tl.where(visible, tl.exp(logits - row_lse[:, None]), 0.0), 0)
+    tl.store(out_ptr + segment * stride_os + kv_head * stride_oh + keys, acc / tl.maximum(num_rows, 1),
+             mask=keys < length)
 
 
-def _reduce_scores(logits, lse, cu_seqlens, positions, score_starts, group) -> torch.Tensor:
-    """Mean softmax weight per key position from the scored rows' logits and their saved LSE.
+def _verify_scores(
+    query, key_pool, block_tables, cu_seqlens, positions, score_starts, lse, scale, length, max_rows
+) -> torch.Tensor:
+    """Mean softmax weight per key position over each segment's scored (query, head) rows, `[S, Hkv, length]`.
 
-    One pass over the logit scratch (a few rows per segment), never over K: each program owns a block of key
-    positions of one (segment, KV head) and sums `exp(logit - lse)` over the scored (query, head) rows.
+    Each program owns a block of key positions of one (segment, KV head): it reads that K tile once, recomputes
+    the scored rows' logits against it and sums `exp(logit - lse)` with the attention's merged normalisers.
     """
-    num_segments, num_kv_heads, max_rows, length = logits.shape
-    scores = torch.empty(num_segments, num_kv_heads, length, dtype=torch.float32, device=logits.device)
-    rows = min(64, max(2, triton.next_power_of_2(max_rows)))
-    block = min(1024, 8192 // rows)  # ~8K logits per tile
-    _reduce_scores_kernel[(num_segments, num_kv_heads, triton.cdiv(length, block))](
-        logits, lse, cu_seqlens, positions, score_starts, scores,
-        logits.stride(0), logits.stride(1), logits.stride(2),
+    num_segments = cu_seqlens.shape[0] - 1
+    num_kv_heads, head_dim = key_pool.shape[2], key_pool.shape[3]
+    group = query.shape[1] // num_kv_heads
+    scores = torch.empty(num_segments, num_kv_heads, length, dtype=torch.float32, device=query.device)
+    block = min(128, max(16, 8192 // triton.next_power_of_2(head_dim)))
+    _verify_scores_kernel[(num_segments, num_kv_heads, triton.cdiv(length, block))](
+        query, key_pool, block_tables, cu_seqlens, positions, score_starts, lse, scores,
+        query.stride(0), query.stride(1),
+        key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
+        block_tables.stride(0),
         lse.stride(0),
         scores.stride(0), scores.stride(1),
-        length,
-        GROUP=group, ROWS=rows, BLOCK_L=block,
+        scale, length,
+        PAGE_SIZE=key_pool.shape[1], GROUP=group, ROWS=min(64, max(16, triton.next_power_of_2(max_rows))),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_L=block,
+        PRECISION=_dot_precision(query.dtype), num_warps=4,
     )
     return scores
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, part_lse_ptr, out_ptr, lse_ptr,
+    splits,
+    stride_ps, stride_pn, stride_ph,
+    stride_qs, stride_qn,
+    stride_on, stride_oh,
+    stride_ln,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    query = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    head_ok = heads < NUM_HEADS
+    mask = head_ok[:, None] & (dims[None, :] < HEAD_DIM)
+    top = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for split in range(splits):
+        part_lse = tl.load(part_lse_ptr + split * stride_qs + query * stride_qn + heads, mask=head_ok,
+                           other=float("-inf"))
+        top = tl.maximum(top, part_lse)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: weights are all zero
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for split in range(splits):
+        part_lse = tl.load(part_lse_ptr + split * stride_qs + query * stride_qn + heads, mask=head_ok,
+                           other=float("-inf"))
+        weight = tl.exp(part_lse - top)
+        part = tl.load(part_ptr + split * stride_ps + query * stride_pn + heads[:, None] * stride_ph + dims[None, :],
+                       mask=mask, other=0.0)
+        total += weight
+        acc += weight[:, None] * part
+    merged = acc / tl.maximum(total, 1e-30)[:, None]
+    tl.store(out_ptr + query * stride_on + heads[:, None] * stride_oh + dims[None, :],
+             merged.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + query * stride_ln + heads, top + tl.log(total), mask=head_ok)
+
+
+def merge_splits(
+    partial: torch.Tensor, partial_lse: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `reference.merge_splits`: one launch instead of a dozen small torch kernels, so splitting a
+    short key range over more programs pays even at rollout batch sizes."""
+    splits, num_queries, num_heads, head_dim = partial.shape
+    if splits == 1:
+        return partial[0].to(dtype), partial_lse[0]
+    out = torch.empty(num_queries, num_heads, head_dim, dtype=dtype, device=partial.device)
+    lse = torch.empty(num_queries, num_heads, dtype=torch.float32, device=partial.device)
+    _merge_splits_kernel[(num_queries,)](
+        partial, partial_lse, out, lse,
+        splits,
+        partial.stride(0), partial.stride(1), partial.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        out.stride(0), out.stride(1),
+        lse.stride(0),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+    return out, lse
 
 
 @triton.jit
