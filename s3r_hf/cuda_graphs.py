@@ -66,7 +66,6 @@ class DecodeGraphs:
         self.max_context = max_pages * cache.page_size
         self.draft_len = draft_len
         self.steps: dict[tuple, _CapturedStep | _CapturedDraftPhase] = {}
-        self.pool = torch.cuda.graph_pool_handle()
         self.replays = 0
         self.captures = 0
         self.capture_seconds = 0.0  # wall time spent capturing (device-synchronized)
@@ -256,14 +255,18 @@ class DecodeGraphs:
         """
         torch.cuda.synchronize()
         started = time.perf_counter()
-        graph, outputs = capture_graph(program, pool=self.pool)
+        # Each graph keeps a private memory pool. Graphs captured into one shared pool may place a later graph's
+        # outputs in an earlier graph's scratch memory, which is safe only if they replay in capture order; a round
+        # reads its draft phase's outputs after the verify graph has replayed, and the early draft launch captures
+        # new draft buckets after verify buckets, so with a shared pool a verify replay could overwrite the drafts.
+        graph, outputs = capture_graph(program)
         torch.cuda.synchronize()
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started
         return graph, outputs
 
 
-def capture_graph(program: Callable, pool=None) -> tuple[torch.cuda.CUDAGraph, Any]:
+def capture_graph(program: Callable) -> tuple[torch.cuda.CUDAGraph, Any]:
     """`(graph, outputs)` of `program()` captured as a CUDA graph, after one warm-up run on a side stream (Triton
     kernels and compiled layers compile there, the allocator settles) so the capture records only replayable work."""
     stream = torch.cuda.Stream()
@@ -272,6 +275,6 @@ def capture_graph(program: Callable, pool=None) -> tuple[torch.cuda.CUDAGraph, A
         program()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph):
         outputs = program()
     return graph, outputs

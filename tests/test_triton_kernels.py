@@ -39,9 +39,23 @@ def key_splits(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["stored", "recomputed"])
+def score_source(request, monkeypatch):
+    """Verify scores from logits the attention kernel stores (in a NaN-filled scratch, so a read of an entry it did
+    not write shows), or recomputed from K by the score kernel; `stores_logits` picks one by shape in real runs."""
+    stored = request.param == "stored"
+    monkeypatch.setattr(triton_backend, "stores_logits", lambda rows, head_dim, size: stored)
+    monkeypatch.setattr(
+        triton_backend, "_score_scratch",
+        lambda shape, device: torch.full(shape, float("nan"), dtype=torch.float32, device=device),
+    )
+    return request.param
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
 @pytest.mark.parametrize("scored", [False, True])
+@pytest.mark.usefixtures("score_source")
 def test_dense_attention_matches_reference(page_size, group, scored, key_splits):
     generator = torch.Generator().manual_seed(page_size * 10 + group)
     num_kv_heads, head_dim = 2, 16
@@ -64,6 +78,7 @@ def test_dense_attention_matches_reference(page_size, group, scored, key_splits)
         assert actual[2] is None
 
 
+@pytest.mark.usefixtures("score_source")
 def test_scores_of_more_rows_than_one_score_tile():
     """A prefill chunk may score many queries: 40 queries x 2 heads = 80 scored rows, over one 64-row tile."""
     generator = torch.Generator().manual_seed(5)
@@ -79,6 +94,11 @@ def test_scores_of_more_rows_than_one_score_tile():
     args = (query, key_pool, value_pool, tables, cu, positions, 0.3, starts)
     expected = reference.paged_dense_attention(*args)[2]
     torch.testing.assert_close(triton_backend.paged_dense_attention(*args)[2], expected, **TOL)
+
+
+def test_score_source_is_the_one_that_moves_fewer_bytes():
+    assert not triton_backend.stores_logits(7 * 3, 64, 2)  # SmolLM2: 168 B stored and reread vs 128 B of K
+    assert triton_backend.stores_logits(7 * 2, 128, 2)  # Qwen3-1.7B: 112 B vs 256 B
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -4,9 +4,10 @@
   block table directly (no gather copy), online softmax over view + provisional tail.
 - `paged_dense_attention`: one program per (segment, KV head, query block, key split) of the packed varlen
   batch; the query block's rows are (query, GQA head) pairs so each K/V row read serves the whole group. Verify
-  scores come from a second kernel that reads only K, recomputes the scored rows' logits and sums
-  `exp(logit - lse)` with the attention's saved normalisers (the paper's Appendix B.1): one extra read of K, no
-  `[rows, keys]` logit store inside the attention loop.
+  scores are `exp(logit - lse)` averaged per key position, from one of two sources (`stores_logits` picks the
+  one that moves fewer bytes): the scored rows' logits, stored by the attention kernel as it streams K and
+  reduced afterwards; or a second kernel that reads only K and recomputes them with the attention's saved
+  normalisers (the paper's Appendix B.1).
 - `merge_splits`: the partial results of a split key range combined in one launch.
 - `write_kv`: a step's K and V into the pools in one launch.
 - `select_topk_candidates`: `torch.topk` on the GPU.
@@ -142,15 +143,16 @@ def paged_sparse_attention(
     return merge_splits(out, lse, query.dtype)
 
 
-def launch_settings(head_dim: int) -> dict:
+def launch_settings(head_dim: int, stores_logits: bool = False) -> dict:
     """Keys per loop iteration, warps and software-pipeline stages of the attention kernels.
 
     Chosen from CUDA-graph timings on the H200 (`tools/tune_kernels.py`, docs/benchmarks.md): a K tile of 8K
     elements per iteration (128 keys of a 64-wide head, 64 of a 128-wide one; never more than 128 keys) with four
-    warps and three pipeline stages.
+    warps; a verify block that stores its logits, with 128-wide heads, runs faster with two pipeline stages.
     """
+    stages = 2 if stores_logits and head_dim > 64 else 3
     block_n = min(128, max(16, 8192 // triton.next_power_of_2(head_dim)))
-    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": stages}
 
 
 # Enough programs to fill the GPU several times over (132 SMs on an H100/H200).
@@ -167,6 +169,11 @@ def _num_splits(programs: int, keys: int, min_keys: int) -> int:
     return max(1, min(-(-_TARGET_PROGRAMS // max(programs, 1)), -(-keys // min_keys)))
 
 
+def _score_scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The stored verify logits, left uninitialised: the kernel writes every entry the reduction reads."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
 def _unit_stride(query: torch.Tensor) -> torch.Tensor:
     """The kernels take the query's row and head strides; only the head dimension must be contiguous (so a
     transposed view of the projection output needs no copy)."""
@@ -181,15 +188,17 @@ def _out_dtype(query: torch.Tensor, splits: int) -> torch.dtype:
 
 @triton.jit
 def _dense_varlen_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, pos_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, pos_ptr, out_ptr, lse_ptr, logit_ptr, score_start_ptr,
     stride_qn, stride_qh,
     stride_kp, stride_ko, stride_kh,
     stride_bts,
     stride_os, stride_on, stride_oh,
     stride_ls, stride_ln,
+    stride_gs, stride_gh, stride_gr,
     scale, num_q_blocks, keys_per_split,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    STORE_LOGITS: tl.constexpr,
 ):
     segment = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -211,6 +220,11 @@ def _dense_varlen_kernel(
         context = tl.max(q_pos, 0) + 1
         lo = split * keys_per_split
         hi = tl.minimum(context, lo + keys_per_split)
+        if STORE_LOGITS:
+            score_start = tl.load(score_start_ptr + segment)
+            score_start = tl.where(score_start >= 0, score_start, seg_end - seg_start)  # -1: not scored
+            scored_row = (query - seg_start - score_start) * GROUP + rows % GROUP
+            scored = row_ok & (query - seg_start >= score_start)
 
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
@@ -225,6 +239,9 @@ def _dense_varlen_kernel(
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
             s = tl.where(visible, s, float("-inf"))
+            if STORE_LOGITS:
+                logit_offsets = segment * stride_gs + kv_head * stride_gh + scored_row[:, None] * stride_gr
+                tl.store(logit_ptr + logit_offsets + key_pos[None, :], s, mask=scored[:, None] & key_ok[None, :])
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see no key at all
             alpha = tl.exp(m_i - m_safe)
@@ -284,6 +301,18 @@ def paged_dense_attention(
 
     block_m = max(1, min(triton.next_power_of_2(max_len), 64 // group if group < 64 else 1))
     rows = max(16, triton.next_power_of_2(block_m * group))
+    # The kernels read the scored rows straight from `score_starts` (-1 = unscored): no torch ops per layer here,
+    # each of which would be a launch-bound kernel of its own in a CUDA graph.
+    logits = None
+    if score_starts is not None:
+        score_starts = score_starts.to(torch.int32).contiguous()
+        if max_scored_queries is None:  # read back from the device (a sync) unless given
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+            max_scored_queries = int(torch.where(score_starts >= 0, lengths - score_starts, 0).max())
+        max_scored_rows = max(1, max_scored_queries) * group
+        if stores_logits(max_scored_rows, head_dim, key_pool.element_size()):
+            logits = _score_scratch((num_segments, num_kv_heads, max_scored_rows, max(max_context, 1)), query.device)
+    scratch = logits if logits is not None else positions  # any valid pointer when no logits are stored
     num_q_blocks = triton.cdiv(max_len, block_m)
     splits = num_splits or _num_splits(
         num_segments * num_kv_heads * num_q_blocks, max_context, min_keys=_MIN_KEYS_PER_SPLIT
@@ -293,30 +322,42 @@ def paged_dense_attention(
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     grid = (num_segments, num_kv_heads, num_q_blocks * splits)
     _dense_varlen_kernel[grid](
-        query, key_pool, value_pool, block_tables, cu, positions, out, lse,
+        query, key_pool, value_pool, block_tables, cu, positions, out, lse, scratch,
+        score_starts if score_starts is not None else cu,
         query.stride(0), query.stride(1),
         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
+        scratch.stride(0) if logits is not None else 0,
+        scratch.stride(1) if logits is not None else 0,
+        scratch.stride(2) if logits is not None else 0,
         scale, num_q_blocks, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype), **launch_settings(head_dim),
+        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
+        **launch_settings(head_dim, stores_logits=logits is not None), STORE_LOGITS=logits is not None,
     )
     out, lse = merge_splits(out, lse, query.dtype)
     if score_starts is None:
         return out, lse, None
-    # The kernel reads the scored rows straight from `score_starts` (-1 = unscored): no torch ops per layer here,
-    # each of which would be a launch-bound kernel of its own in a CUDA graph.
-    score_starts = score_starts.to(torch.int32).contiguous()
-    if max_scored_queries is None:  # read back from the device (a sync) unless given
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        max_scored_queries = int(torch.where(score_starts >= 0, lengths - score_starts, 0).max())
+    if logits is not None:
+        return out, lse, _reduce_stored_logits(logits, lse, cu, positions, score_starts, group)
     scores = _verify_scores(
-        query, key_pool, block_tables, cu, positions, score_starts, lse, scale, max(max_context, 1),
-        max(1, max_scored_queries) * group,
+        query, key_pool, block_tables, cu, positions, score_starts, lse, scale, max(max_context, 1), max_scored_rows
     )
     return out, lse, scores
+
+
+def stores_logits(scored_rows: int, head_dim: int, kv_element_size: int) -> bool:
+    """How a verify's scores are made: from the scored rows' logits, stored by the attention kernel (float32, written
+    and read back: 8 bytes per row and key), or recomputed from a second read of K (`head_dim` elements per key)
+    by `_verify_scores_kernel`, whichever moves fewer bytes per key and KV head.
+
+    H200, one layer, B=64, 7-query blocks (docs/benchmarks.md, sixth session): SmolLM2 (21 rows of 64-wide heads,
+    168 vs 128 bytes) 0.195 ms stored vs 0.142 ms recomputed at 4K; Qwen3-1.7B (14 rows of 128-wide heads, 112 vs
+    256 bytes) 0.665 ms stored vs 0.822 ms recomputed at 8K.
+    """
+    return scored_rows * 8 < head_dim * kv_element_size
 
 
 @triton.jit
@@ -392,6 +433,64 @@ def _verify_scores(
         PAGE_SIZE=key_pool.shape[1], GROUP=group, ROWS=min(64, max(16, triton.next_power_of_2(max_rows))),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_L=block,
         PRECISION=_dot_precision(query.dtype), num_warps=4,
+    )
+    return scores
+
+
+@triton.jit
+def _reduce_scores_kernel(
+    logit_ptr, lse_ptr, cu_ptr, pos_ptr, start_ptr, out_ptr,
+    stride_gs, stride_gh, stride_gr,
+    stride_ln,
+    stride_os, stride_oh,
+    length,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    segment = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    keys = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
+    key_ok = keys < length
+    seg_start = tl.load(cu_ptr + segment)
+    seg_end = tl.load(cu_ptr + segment + 1)
+    score_start = tl.load(start_ptr + segment)
+    first_query = tl.where(score_start >= 0, seg_start + score_start, seg_end)  # -1: not scored, no rows
+    num_rows = tl.maximum(seg_end - first_query, 0) * GROUP
+    acc = tl.zeros([BLOCK_L], tl.float32)
+    # A tile of scored (query, head) rows per iteration, one iteration for a verify block, instead of one row at a
+    # time with two dependent scalar loads each (H200, SmolLM2 4K verify: 0.195 vs 0.200 ms per layer).
+    for first_row in range(0, num_rows, ROWS):
+        rows = first_row + tl.arange(0, ROWS)
+        row_ok = rows < num_rows
+        query = first_query + rows // GROUP
+        row_lse = tl.load(lse_ptr + query * stride_ln + kv_head * GROUP + rows % GROUP, mask=row_ok, other=0.0)
+        q_pos = tl.load(pos_ptr + query, mask=row_ok, other=-1)
+        # Only keys the query sees were written (the scratch is not initialised); the others weigh zero.
+        visible = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        logits = tl.load(
+            logit_ptr + segment * stride_gs + kv_head * stride_gh + rows[:, None] * stride_gr + keys[None, :],
+            mask=visible, other=float("-inf"),
+        )
+        acc += tl.sum(tl.exp(logits - row_lse[:, None]), 0)
+    tl.store(out_ptr + segment * stride_os + kv_head * stride_oh + keys, acc / tl.maximum(num_rows, 1), mask=key_ok)
+
+
+def _reduce_stored_logits(logits, lse, cu_seqlens, positions, score_starts, group) -> torch.Tensor:
+    """Mean softmax weight per key position from the scored rows' logits and their saved LSE.
+
+    One pass over the logit scratch (a few rows per segment), never over K: each program owns a block of key
+    positions of one (segment, KV head) and sums `exp(logit - lse)` over the scored (query, head) rows.
+    """
+    num_segments, num_kv_heads, max_rows, length = logits.shape
+    scores = torch.empty(num_segments, num_kv_heads, length, dtype=torch.float32, device=logits.device)
+    rows = min(64, max(2, triton.next_power_of_2(max_rows)))
+    block = min(1024, 8192 // rows)  # ~8K logits per tile
+    _reduce_scores_kernel[(num_segments, num_kv_heads, triton.cdiv(length, block))](
+        logits, lse, cu_seqlens, positions, score_starts, scores,
+        logits.stride(0), logits.stride(1), logits.stride(2),
+        lse.stride(0),
+        scores.stride(0), scores.stride(1),
+        length,
+        GROUP=group, ROWS=rows, BLOCK_L=block,
     )
     return scores
 
