@@ -99,12 +99,13 @@ def tune_point(
     results = {"model": name, "batch": batch, "seq": seq, "floor_ms": kv_bytes / bandwidth * 1e3, "kernels": {}}
     chosen = triton_backend.launch_settings
     for kernel, (run, split_options, bytes_read) in kernels.items():
-        default = chosen(dim)
+        stored = kernel == "verify" and triton_backend.stores_logits(BLOCK * heads // kv_heads, dim, 2)
+        default = chosen(dim, stores_logits=stored)
         baseline = None
         rows = []
         launches = [default] + ([] if chosen_only else [v for v in LAUNCHES if v != default])
         for launch, splits in itertools.product(launches, split_options):
-            triton_backend.launch_settings = lambda head_dim, launch=launch: launch
+            triton_backend.launch_settings = lambda head_dim, stores_logits=False, launch=launch: launch
             try:
                 output = run(splits)
                 if baseline is None:
