@@ -66,8 +66,8 @@ def test_prelaunched_rounds_commit_the_same_greedy_tokens(prelaunch_uses):
     assert torch.equal(early, apart)
     assert torch.equal(early, dense)
     # The same drafts, not only the same tokens: greedy output stays exact even if early drafts were corrupted (a
-    # wrong draft is merely rejected), so compare what was accepted. On CUDA this caught a verify graph replay
-    # overwriting early drafts that a graph sharing its memory pool had left there.
+    # wrong draft is merely rejected), so compare what was accepted. (On CUDA, graphs sharing one memory pool once
+    # let a verify replay overwrite early drafts: greedy outputs stayed right, acceptance fell.)
     assert (early.s3r_stats.rounds, early.s3r_stats.accepted) == (apart.s3r_stats.rounds, apart.s3r_stats.accepted)
     lengths = (early[:, input_ids.shape[1]:] != 0).sum(dim=1)
     assert len(set(lengths.tolist())) > 1, "requests should finish at different rounds"
