@@ -96,6 +96,15 @@ def test_scores_of_more_rows_than_one_score_tile():
     torch.testing.assert_close(triton_backend.paged_dense_attention(*args)[2], expected, **TOL)
 
 
+def test_key_splits_fill_the_gpu_in_powers_of_two():
+    assert triton_backend._num_splits(192, 4096, 1024) == 2  # SmolLM2 at B=64: 528 / 192 rounds up to 3, then down
+    assert triton_backend._num_splits(512, 8192, 1024) == 2  # Qwen3-1.7B at B=64
+    assert triton_backend._num_splits(600, 8192, 1024) == 1  # enough programs already
+    assert triton_backend._num_splits(48, 4096, 1024) == 4  # capped by a thousand keys per split
+    assert triton_backend._num_splits(48, 3000, 1024) == 2
+    assert triton_backend._num_splits(4, 100, 1024) == 1
+
+
 def test_score_source_is_the_one_that_moves_fewer_bytes():
     assert not triton_backend.stores_logits(7 * 3, 64, 2)  # SmolLM2: 168 B stored and reread vs 128 B of K
     assert triton_backend.stores_logits(7 * 2, 128, 2)  # Qwen3-1.7B: 112 B vs 256 B
