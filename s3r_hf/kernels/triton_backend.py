@@ -359,9 +359,10 @@ def stores_logits(scored_rows: int, head_dim: int, kv_element_size: int) -> bool
     and read back: 8 bytes per row and key), or recomputed from a second read of K (`head_dim` elements per key)
     by `_verify_scores_kernel`, whichever moves fewer bytes per key and KV head.
 
-    H200, one layer, B=64, 7-query blocks (docs/benchmarks.md, sixth session): SmolLM2 (21 rows of 64-wide heads,
-    168 vs 128 bytes) 0.195 ms stored vs 0.142 ms recomputed at 4K; Qwen3-1.7B (14 rows of 128-wide heads, 112 vs
-    256 bytes) 0.665 ms stored vs 0.822 ms recomputed at 8K.
+    H200, graph-timed, one layer, B=64, 7-query blocks (docs/benchmarks.md, fourth and sixth sessions): SmolLM2 at
+    4K (21 rows of 64-wide heads, 168 vs 128 bytes) 0.195 ms stored vs 0.154 ms recomputed, both unsplit (0.129 ms
+    recomputed over 2 key splits); Qwen3-1.7B at 8K (14 rows of 128-wide heads, 112 vs 256 bytes) 0.648 ms stored
+    vs 0.974 ms recomputed unsplit (0.821 ms over 2 splits).
     """
     return scored_rows * 8 < head_dim * kv_element_size
 
