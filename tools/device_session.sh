@@ -21,6 +21,7 @@
 #   divergence   greedy model.generate vs engine AR vs S3R, compiled or not: rows that part, and the reference's
 #                top-2 logit gap where they do (tools/greedy_divergence.py; DIV_SEQ, DIV_DTYPE)
 #   qwen         Qwen3-1.7B shape, random weights, forced acceptance 0.8 (NOT exact), engine AR and S3R cost
+#   qwen-queue   the same with 192 requests run 64 at a time (no straggler tail)
 #   grpo         GRPO rollouts, S3R vs TRL generation (needs .whl/big carried in that call)
 set -uo pipefail
 # Wheels go to a folder named site-packages: dill (through datasets) pickles modules found elsewhere by value.
@@ -87,6 +88,11 @@ for step in "$@"; do
     timeout 290 python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 64 --seq ${QWEN_SEQ:-8192} --max-new-tokens 160 \
       --acceptance 0.8 --skip-generate --cuda-graphs --compile-layers ${QWEN_EXTRA:-} --json "$OUT/qwen.json" 2>&1 \
       | tee "$OUT/qwen.log" | grep -v -i warn | tail -20
+    ;;
+  qwen-queue)
+    timeout 290 python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 64 --requests 192 --seq ${QWEN_SEQ:-8192} \
+      --max-new-tokens 128 --acceptance 0.8 --skip-generate --cuda-graphs --compile-layers ${QWEN_EXTRA:-} \
+      --json "$OUT/qwen_queue.json" 2>&1 | tee "$OUT/qwen_queue.log" | grep -v -i warn | tail -20
     ;;
   grpo)
     install_wheels .whl/big/*.whl
