@@ -368,6 +368,16 @@ def stores_logits(scored_rows: int, head_dim: int, kv_element_size: int) -> bool
 
 
 @triton.jit
+def _scored_rows(cu_ptr, start_ptr, segment, GROUP: tl.constexpr):
+    """First scored query of `segment` and its number of scored (query, GQA head) rows (0 when unscored)."""
+    seg_start = tl.load(cu_ptr + segment)
+    seg_end = tl.load(cu_ptr + segment + 1)
+    score_start = tl.load(start_ptr + segment)
+    first_query = tl.where(score_start >= 0, seg_start + score_start, seg_end)  # -1: not scored, no rows
+    return first_query, tl.maximum(seg_end - first_query, 0) * GROUP
+
+
+@triton.jit
 def _verify_scores_kernel(
     q_ptr, k_ptr, bt_ptr, cu_ptr, pos_ptr, start_ptr, lse_ptr, out_ptr,
     stride_qn, stride_qh,
@@ -384,13 +394,10 @@ def _verify_scores_kernel(
     keys = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    seg_start = tl.load(cu_ptr + segment)
-    seg_end = tl.load(cu_ptr + segment + 1)
-    score_start = tl.load(start_ptr + segment)
-    first_query = tl.where(score_start >= 0, seg_start + score_start, seg_end)  # -1: not scored, no rows
-    num_rows = tl.maximum(seg_end - first_query, 0) * GROUP
+    first_query, num_rows = _scored_rows(cu_ptr, start_ptr, segment, GROUP)
     # The last query sees the most keys; keys past it are never read (their score is zero).
-    context = tl.load(pos_ptr + seg_end - 1, mask=num_rows > 0, other=-1) + 1
+    last_query = first_query + num_rows // GROUP - 1
+    context = tl.load(pos_ptr + last_query, mask=num_rows > 0, other=-1) + 1
     key_ok = keys < context
     page = tl.load(bt_ptr + segment * stride_bts + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
     row_base = page * stride_kp + (keys % PAGE_SIZE) * stride_ko + kv_head * stride_kh
@@ -457,11 +464,7 @@ def _reduce_scores_kernel(
     kv_head = tl.program_id(1)
     keys = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
     key_ok = keys < length
-    seg_start = tl.load(cu_ptr + segment)
-    seg_end = tl.load(cu_ptr + segment + 1)
-    score_start = tl.load(start_ptr + segment)
-    first_query = tl.where(score_start >= 0, seg_start + score_start, seg_end)  # -1: not scored, no rows
-    num_rows = tl.maximum(seg_end - first_query, 0) * GROUP
+    first_query, num_rows = _scored_rows(cu_ptr, start_ptr, segment, GROUP)
     acc = tl.zeros([BLOCK_L], tl.float32)
     # A tile of scored (query, head) rows per iteration, one iteration for a verify block, instead of one row at a
     # time with two dependent scalar loads each (H200, SmolLM2 4K verify: 0.195 vs 0.200 ms per layer).
