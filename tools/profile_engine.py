@@ -1,7 +1,8 @@
 """Profile engine AR and S3R generate calls with torch.profiler (GPU): the CUDA kernels a step launches.
 
 Prints, per mode, every kernel with its launches per step, µs per launch and ms per step (kernels inside CUDA
-graphs included), so per-layer launch counts and their cost show directly.
+graphs included), so per-layer launch counts and their cost show directly, and the same call's unprofiled wall
+time per step, whose excess over the kernels' device time is what the device spends waiting for the host.
 
 python tools/profile_engine.py --model qwen3-1.7b --batch 16 --seq 4096 --acceptance 0.8
 python tools/profile_engine.py --model SmolLM2-135M-Instruct.Q4_1.gguf --data math_train.json --batch 64 \\
@@ -34,8 +35,9 @@ def kernel_totals(prof) -> dict[str, list[float]]:
     return totals
 
 
-def kernel_table(call: dict, baseline: dict, steps: int, rows: int) -> str:
-    """Kernels of `call` minus those of `baseline` (a shorter call), per decode step of the difference."""
+def kernel_table(call: dict, baseline: dict, steps: int, rows: int) -> tuple[str, float]:
+    """Kernels of `call` minus those of `baseline` (a shorter call), per decode step of the difference: the table
+    and the kernels' total device ms per step."""
     per_step = {}
     for name, (count, us) in call.items():
         count -= baseline.get(name, (0, 0.0))[0]
@@ -48,7 +50,7 @@ def kernel_table(call: dict, baseline: dict, steps: int, rows: int) -> str:
              f"{launches:>14.1f}{total_us / max(launches, 1):>11.2f}{total_us / 1e3:>9.3f}  (all)"]
     for name, (count, us) in sorted(per_step.items(), key=lambda item: -item[1][1])[:rows]:
         lines.append(f"{count:>14.1f}{us / count:>11.2f}{us / 1e3:>9.3f}  {name[:110]}")
-    return "\n".join(lines)
+    return "\n".join(lines), total_us / 1e3
 
 
 def main() -> None:
@@ -91,6 +93,11 @@ def main() -> None:
                   f"{stats.prefill_seconds:.3f}s")
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.rows)
             continue
+        # The same call unprofiled: its wall time per step minus the kernels' device time below is what the device
+        # spends waiting for the host.
+        stats = model.generate(input_ids, max_new_tokens=args.max_new_tokens, s3r_mode=mode,
+                               s3r_forced_acceptance=acceptance, **common).s3r_stats
+        wall_ms = (stats.decode_seconds - stats.graph_capture_seconds) * 1e3 / max(stats.steps, 1)
         totals, steps = [], []
         # Two calls that differ only in decode steps: their difference leaves out prefill and graph captures.
         for max_new_tokens in (16, args.max_new_tokens):
@@ -102,7 +109,10 @@ def main() -> None:
         stats = out.s3r_stats
         print(f"\n===== {mode}: steps {stats.steps}, decode {stats.decode_seconds * 1e3 / max(stats.steps, 1):.2f} "
               f"ms/step (profiled), tau {stats.mean_acceptance_length:.2f}")
-        print(kernel_table(totals[1], totals[0], max(steps[1] - steps[0], 1), args.rows))
+        table, kernel_ms = kernel_table(totals[1], totals[0], max(steps[1] - steps[0], 1), args.rows)
+        print(f"unprofiled: {wall_ms:.2f} ms/step wall, {kernel_ms:.2f} ms/step of kernels, so the device waits "
+              f"{wall_ms - kernel_ms:.2f} ms/step for the host")
+        print(table)
 
 
 if __name__ == "__main__":
