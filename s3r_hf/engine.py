@@ -433,20 +433,10 @@ class S3REngine:
         prelaunched = self._take_prelaunched(requests, draft_counts)
         if prelaunched is not None:  # drafted while the host committed the previous round
             tables, draft_tokens, draft_scores = prelaunched
-        elif max_drafts > 0 and self.draft_phase is not None:
+        else:
             # Pages for the whole round were reserved before it: one block table serves every forward of the round.
             tables = self.cache.block_tables([r.slot for r in requests])
-            start = _RoundStart([r.pending for r in requests], [r.committed for r in requests], draft_counts)
-            drafts = self._run_draft_phase(requests, start, tables)
-            draft_tokens, draft_scores = drafts.tokens, drafts.scores
-        else:
-            tables = self.cache.block_tables([r.slot for r in requests])
-            draft_tokens = torch.zeros(len(requests), max(max_drafts, 1), dtype=torch.long, device=self.device)
-            draft_scores = torch.zeros(len(requests), max(max_drafts, 1), self.vocab_size, device=self.device)
-            for step in range(max_drafts):
-                rows = [i for i, k in enumerate(draft_counts) if k > step]
-                self.draft_pass(step, [requests[i] for i in rows], rows, draft_tokens, draft_scores,
-                                tables if len(rows) == len(requests) else tables[self._tensor(rows)], len(requests))
+            draft_tokens, draft_scores = self._draft(requests, draft_counts, tables)
         started = self._stage_done("draft", started)
         plan, logits, block_starts, target_scores = self._verify(requests, draft_counts, draft_tokens, tables)
         started = self._stage_done("verify", started)
@@ -515,6 +505,24 @@ class S3REngine:
         self.stats.steps += 1
         self.stats.record_round(draft_counts, accepted_list, committed_counts)
         self._stage_done("commit", started)
+
+    def _draft(
+        self, requests: list[Request], draft_counts: list[int], tables: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft tokens `[R, k]` and their scores `[R, k, V]` of this round: the on-device draft phase, or one
+        host-driven pass per position when a logits processor reads the token history."""
+        max_drafts = max(draft_counts, default=0)
+        if max_drafts > 0 and self.draft_phase is not None:
+            start = _RoundStart([r.pending for r in requests], [r.committed for r in requests], draft_counts)
+            drafts = self._run_draft_phase(requests, start, tables)
+            return drafts.tokens, drafts.scores
+        draft_tokens = torch.zeros(len(requests), max(max_drafts, 1), dtype=torch.long, device=self.device)
+        draft_scores = torch.zeros(len(requests), max(max_drafts, 1), self.vocab_size, device=self.device)
+        for step in range(max_drafts):
+            rows = [i for i, k in enumerate(draft_counts) if k > step]
+            self.draft_pass(step, [requests[i] for i in rows], rows, draft_tokens, draft_scores,
+                            tables if len(rows) == len(requests) else tables[self._tensor(rows)], len(requests))
+        return draft_tokens, draft_scores
 
     def _prelaunch(self, requests: list[Request], accepted: list[int], next_tokens: list[int]) -> None:
         """Launch the next round's draft phase now, from the lengths and pending tokens this round's decision
