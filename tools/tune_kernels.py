@@ -99,7 +99,8 @@ def tune_point(
     results = {"model": name, "batch": batch, "seq": seq, "floor_ms": kv_bytes / bandwidth * 1e3, "kernels": {}}
     chosen = triton_backend.launch_settings
     for kernel, (run, split_options, bytes_read) in kernels.items():
-        stored = kernel == "verify" and triton_backend.stores_logits(BLOCK * heads // kv_heads, dim, 2)
+        scored_rows = BLOCK * heads // kv_heads
+        stored = kernel == "verify" and triton_backend.stores_logits(scored_rows, dim, key_pool.element_size())
         default = chosen(dim, stores_logits=stored)
         baseline = None
         rows = []
