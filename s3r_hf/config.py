@@ -24,7 +24,11 @@ class S3RConfig:
         page_size (`int`, defaults to 16):
             Tokens per KV page.
         num_pages (`int`, *optional*):
-            KV pages per layer. `None` sizes the pool for the call (all requests at full length).
+            KV pages per layer. `None` sizes the pool for the call: all requests at full length, on CUDA at most
+            `kv_memory_fraction` of the device memory free when the call starts (requests beyond that wait).
+        kv_memory_fraction (`float`, defaults to 0.8):
+            Share of the free device memory a pool sized by default (`num_pages=None`) may take; the rest is left
+            for activations, CUDA graphs and compiled layers.
         prefill_chunk_size (`int`, defaults to 2048):
             Most prompt tokens packed into one forward during prefill.
         concurrency_min / concurrency_max (`int`, defaults to 160 / 256):
@@ -59,6 +63,7 @@ class S3RConfig:
     min_budget: int = 192
     page_size: int = 16
     num_pages: int | None = None
+    kv_memory_fraction: float = 0.8
     prefill_chunk_size: int = 2048
     concurrency_min: int = 160
     concurrency_max: int = 256
@@ -83,6 +88,7 @@ class S3RConfig:
         _check_int(self, "page_size", low=1, high=1024)
         if self.num_pages is not None:
             _check_int(self, "num_pages", low=1)
+        _check_float(self, "kv_memory_fraction", low=0.0, high=1.0, low_open=True)
         _check_int(self, "prefill_chunk_size", low=1)
         _check_int(self, "concurrency_min", low=1)
         _check_int(self, "concurrency_max", low=self.concurrency_min)

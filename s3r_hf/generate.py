@@ -12,7 +12,8 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
-from s3r_hf.cache.s3r_cache import S3RCache
+from s3r_hf.cache.page_allocator import KVCapacityError
+from s3r_hf.cache.s3r_cache import S3RCache, page_bytes
 from s3r_hf.config import S3RConfig
 from s3r_hf.engine import S3REngine, SamplingSetup
 from s3r_hf.logits import RaggedLogitsProcessor
@@ -126,7 +127,7 @@ def generate(
 
     cache = S3RCache(
         model.config,
-        num_pages=config.num_pages or _pages_for_all(requests, config),
+        num_pages=config.num_pages or _default_num_pages(requests, config, model, device),
         page_size=config.page_size,
         max_requests=len(requests),
         dtype=model.dtype,
@@ -139,9 +140,36 @@ def generate(
     return _assemble(input_ids, requests, generation_config, stats, config)
 
 
-def _pages_for_all(requests: list[Request], config: S3RConfig) -> int:
-    """A pool that holds every request at full length (the default when `num_pages` is not set)."""
-    return max(1, sum(-(-r.peak_kv_tokens(config.draft_len) // config.page_size) for r in requests))
+def _default_num_pages(requests: list[Request], config: S3RConfig, model: PreTrainedModel, device: torch.device) -> int:
+    """The pool when `num_pages` is not set: every request at full length, capped on CUDA by
+    `kv_memory_fraction` of the free device memory (the scheduler then runs what fits and the rest waits)."""
+    peaks = [-(-r.peak_kv_tokens(config.draft_len) // config.page_size) for r in requests]
+    wanted = max(1, sum(peaks))
+    free = _free_device_memory(torch.device(device))
+    if free is None:
+        return wanted
+    size = page_bytes(model.config, config.page_size, model.dtype)
+    fits = int(free * config.kv_memory_fraction) // size - 1  # the cache adds one scratch page
+    if fits < max(peaks, default=1):
+        raise KVCapacityError(
+            f"KV capacity too small for one request: the longest needs {max(peaks)} pages of {size} bytes, and "
+            f"kv_memory_fraction={config.kv_memory_fraction} of the {free / 2**30:.2f} GiB free on {device} holds "
+            f"{max(fits, 0)}; raise kv_memory_fraction, shorten the request, or set num_pages"
+        )
+    if fits < wanted:
+        logger.info(
+            f"KV pool capped at {fits} of the {wanted} pages all requests would take at full length "
+            f"(kv_memory_fraction={config.kv_memory_fraction} of {free / 2**30:.2f} GiB free)"
+        )
+    return min(wanted, fits)
+
+
+def _free_device_memory(device: torch.device) -> int | None:
+    """Free bytes on a CUDA device; None elsewhere (CPU pools are sized for every request)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free
 
 
 def _assemble(input_ids, requests, generation_config, stats, config) -> S3RGenerateOutput | torch.LongTensor:

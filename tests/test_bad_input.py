@@ -21,6 +21,7 @@ from tests.conftest import TINY, left_padded_batch, tiny_model
         ("min_budget", -1, "min_budget must be an integer >= 1"),
         ("page_size", 0, "page_size"),
         ("num_pages", 0, "num_pages"),
+        ("kv_memory_fraction", 0.0, r"kv_memory_fraction must be a number in \(0.0, 1.0\]"),
         ("concurrency_backoff", 1.0, "concurrency_backoff"),
         ("utilization_high", 0.5, "utilization_high"),
         ("seed", -3, "seed"),

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import s3r_hf
-from s3r_hf import S3RConfig
+from s3r_hf import KVCapacityError, S3RConfig
+from s3r_hf.cache.s3r_cache import page_bytes
 from tests.conftest import left_padded_batch, tiny_model
 
 # Budgets small enough that drafts really get rejected: 10% of the context, at least 2 positions.
@@ -142,6 +145,28 @@ def test_kv_pressure_pauses_and_resumes_requests():
     assert torch.equal(out, dense)
     assert out.s3r_stats.offload_episodes > 0, "the pool is too small for all four: some must be paused"
     assert out.s3r_stats.peak_kv_pages <= 36
+
+
+def test_default_pool_is_capped_by_free_device_memory(monkeypatch):
+    """With `num_pages` unset the pool holds every request only while `kv_memory_fraction` of the free device
+    memory allows; a smaller pool runs the requests that fit and nothing is lost."""
+    generate_module = importlib.import_module("s3r_hf.generate")  # the package exports a function of that name
+    model = s3r_hf.enable(tiny_model("llama", seed=13))
+    input_ids, attention_mask = left_padded_batch([20, 22, 24, 26], seed=14)
+    dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40)
+    config = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, kv_memory_fraction=0.5)
+    size = page_bytes(model.config, config.page_size, model.dtype)
+    # Free memory whose half holds 36 pages plus the scratch page: about two of the four requests.
+    monkeypatch.setattr(generate_module, "_free_device_memory", lambda device: 2 * 37 * size)
+    out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40,
+                         s3r_config=config)
+    assert torch.equal(out, dense)
+    assert 0 < out.s3r_stats.peak_kv_pages <= 36
+    # Too little for the longest request alone: the error names the knob.
+    monkeypatch.setattr(generate_module, "_free_device_memory", lambda device: 2 * 10 * size)
+    with pytest.raises(KVCapacityError, match="kv_memory_fraction=0.5"):
+        model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40,
+                       s3r_config=config)
 
 
 def test_engine_dense_mode_matches_generate_and_forced_acceptance_runs():

@@ -82,6 +82,20 @@ class OffloadedRequest:
         return self.keys[0].shape[0] if self.keys else 0
 
 
+def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
+    """`(layers, KV heads, head dim)` of a model config (its text config for multimodal models)."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return text_config.num_hidden_layers, num_kv_heads, head_dim
+
+
+def page_bytes(config: PretrainedConfig, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV page takes over all layers (keys and values)."""
+    layers, kv_heads, head_dim = kv_shape(config)
+    return 2 * layers * page_size * kv_heads * head_dim * dtype.itemsize
+
+
 class S3RCache(Cache):
     """Paged KV cache for S3R, usable as a transformers `Cache`.
 
@@ -113,12 +127,7 @@ class S3RCache(Cache):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.num_layers = text_config.num_hidden_layers
-        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-        self.head_dim = getattr(text_config, "head_dim", None) or (
-            text_config.hidden_size // text_config.num_attention_heads
-        )
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_shape(config)
         self.page_size = page_size
         self.max_requests = max_requests
         self.device = torch.device(device)
