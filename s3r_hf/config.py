@@ -6,6 +6,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import torch
+
 
 @dataclass
 class S3RConfig:
@@ -106,6 +108,13 @@ class S3RConfig:
     def budget(self, context_len: int) -> int:
         """Index-view size `K = min(|C|, max(min_budget, ceil(budget_ratio * |C|)))` for a context of `|C|`."""
         return min(context_len, max(self.min_budget, math.ceil(self.budget_ratio * context_len)))
+
+    def budgets(self, context_lens: torch.Tensor) -> torch.Tensor:
+        """`budget` of every context length in a tensor, computed where the tensor lives (so the index views of
+        the next round can be sized before the host knows the new lengths)."""
+        # float64 like Python's float, so the ceiling agrees with `budget` bit for bit.
+        scaled = torch.ceil(context_lens.double() * self.budget_ratio).long()
+        return torch.minimum(context_lens.long(), scaled.clamp(min=self.min_budget))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> S3RConfig:

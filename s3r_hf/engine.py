@@ -50,22 +50,15 @@ class SamplingSetup:
 
 
 @dataclass
-class _RoundStart:
-    """Per request (in order): the pending token, the committed length and the drafts of a round."""
-
-    pending: list[int]
-    committed: list[int]
-    draft_counts: list[int]
-
-
-@dataclass
 class _PrelaunchedDrafts:
-    """A round's draft phase, launched before the host committed the round before it (`S3REngine._prelaunch`)."""
+    """A round's draft phase, launched before the host read the decision of the round before it
+    (`S3REngine._prelaunch`). `draft_counts` are the host's copy of what the device computed, set once the host
+    has read that decision."""
 
     requests: list[Request]
-    draft_counts: list[int]
     tables: torch.Tensor
     drafts: DraftOutputs
+    draft_counts: list[int] | None = None
 
 
 class S3REngine:
@@ -350,6 +343,7 @@ class S3REngine:
         scores = self.sampling.logits_processor([r.row for r in finished], [r.history for r in finished], logits)
         sampled = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator)
         logprobs = self._logprobs(scores, sampled)
+        logprobs = logprobs.tolist() if logprobs is not None else None
         first_tokens = sampled.tolist()
         for row, request in enumerate(finished):
             request.committed = request.prompt_len
@@ -413,13 +407,15 @@ class S3REngine:
         """Drafts this round: `max_new_tokens` shortens the last block (the round adds drafts + 1 tokens)."""
         return self._draft_count_for(request.remaining)
 
-    def _draft_count_for(self, remaining: int) -> int:
-        """Drafts of a round that starts with `remaining` tokens left to generate."""
-        if self.mode == "ar":
-            return 0
-        if self.mode == "unverified":
-            return min(self.config.draft_len, remaining)
-        return max(0, min(self.config.draft_len, remaining - 1))
+    def _draft_count_for(self, remaining: int | torch.Tensor) -> int | torch.Tensor:
+        """Drafts of a round that starts with `remaining` tokens left to generate (an int on the host, or a tensor
+        of them on the device: the same rule either way). A round adds its drafts plus one token, so S3R drafts at
+        most `remaining - 1`; the unverified drafter commits its drafts only."""
+        most = 0 if self.mode == "ar" else self.config.draft_len
+        limit = remaining if self.mode == "unverified" else remaining - 1
+        if isinstance(limit, torch.Tensor):
+            return limit.clamp(min=0, max=most)
+        return max(0, min(most, limit))
 
     def _round(self, requests: list[Request]) -> None:
         if not requests:
@@ -452,36 +448,44 @@ class S3REngine:
                 self.sampling.greedy, self.sampling.generator,
             )
             num_accepted, next_tokens = result.num_accepted, result.next_tokens
-        # The accept decision is the one device-to-host read a round needs (plus log-probs when asked for). The
-        # top-K selection for the next index views is queued behind its copy, so the device selects while the host
-        # commits; the views' rebuild is queued as soon as the committed lengths are known.
+        # The accept decision is the one device-to-host read a round needs (plus log-probs when asked for). Its
+        # copy is queued first; everything the next round's draft phase needs follows on the device (the top-K
+        # selection, the index-view rebuild from the new committed lengths, and with `_may_prelaunch` the draft
+        # phase itself), so the device keeps working while the host reads the decision and commits.
         decision = torch.cat([num_accepted[:, None], next_tokens[:, None], draft_tokens[:, :max_drafts]], dim=1)
         read_decision = start_host_copy(decision)
-        if self.mode != "ar":
-            self._candidates(plan)
-        decision = read_decision().tolist()
-        accepted_list = [row[0] for row in decision]
-        next_list = [row[1] for row in decision]
-        draft_list = [row[2:] for row in decision]
         started = self._stage_done("accept", started)
-        # K/V of the pending token and the accepted drafts are now dense and valid; the rest is discarded.
-        contexts = [r.committed + accepted + 1 for r, accepted in zip(requests, accepted_list)]
-        for request, context in zip(requests, contexts):
-            request.committed = context
-            self.cache.set_length(request.slot, context)
         if self.mode != "ar":  # dense decoding never drafts, so it keeps no index views
+            committed, remaining = self._tensor([[r.committed for r in requests], [r.remaining for r in requests]])
+            contexts = committed + num_accepted + 1  # K/V of the pending token and the accepted drafts are valid
             # Views of requests that finish this round are rebuilt too (harmless: their slots are released after it).
-            self.refresh_views(plan, list(range(len(requests))), requests, contexts)
-        started = self._stage_done("refresh", started)
+            self._rebuild_views(plan, list(range(len(requests))), requests, contexts, plan.dense.num_candidates)
         logprobs = None
-        if self.config.return_logprobs:
+        if self.config.return_logprobs:  # queued before an early draft phase overwrites the draft buffers
             # Token committed at each block offset: the accepted drafts, then the correction/bonus token.
             spare = torch.zeros(len(requests), 1, dtype=torch.long, device=self.device)
             proposed = torch.cat([draft_tokens, spare], dim=1)[:, : target_scores.shape[1]]
             proposed[torch.arange(len(requests), device=self.device), num_accepted] = next_tokens
             logprobs = self._logprobs(target_scores, proposed)
-        if self._may_prelaunch:
-            self._prelaunch(requests, accepted_list, next_list)
+        if self._may_prelaunch and self.draft_phase is not None:
+            left = remaining - (num_accepted + 1)
+            self._prelaunch(requests, draft_counts, next_tokens, contexts, left, plan.dense.num_candidates)
+        started = self._stage_done("refresh", started)
+        decision = read_decision().tolist()
+        accepted_list = [row[0] for row in decision]
+        next_list = [row[1] for row in decision]
+        draft_list = [row[2:] for row in decision]
+        if self._prelaunched is not None:  # the counts the device computed, as the host computes them
+            self._prelaunched.draft_counts = [
+                self._draft_count_for(r.remaining - (a + 1)) for r, a in zip(requests, accepted_list)
+            ]
+        for request, accepted in zip(requests, accepted_list):
+            request.committed += accepted + 1
+            # Pages past the new length stay reserved: an early draft phase may be writing into them.
+            self.cache.set_length(request.slot, request.committed, release_pages=False)
+            if self.mode != "ar":
+                request.view_len = self.config.budget(request.committed)
+        logprobs = logprobs.tolist() if logprobs is not None else None
         # Scores, logits and stopping criteria are read token by token; without them a row's block is committed
         # in one go, which at B=64 saves a few hundred Python calls per round while the device waits.
         per_token = (
@@ -513,8 +517,11 @@ class S3REngine:
         host-driven pass per position when a logits processor reads the token history."""
         max_drafts = max(draft_counts, default=0)
         if max_drafts > 0 and self.draft_phase is not None:
-            start = _RoundStart([r.pending for r in requests], [r.committed for r in requests], draft_counts)
-            drafts = self._run_draft_phase(requests, start, tables)
+            pending, committed, counts = self._tensor(
+                [[r.pending for r in requests], [r.committed for r in requests], draft_counts]
+            ).unbind(0)
+            view_width = max(r.view_len for r in requests)
+            drafts = self._run_draft_phase(requests, pending, committed, counts, tables, view_width, max_drafts)
             return drafts.tokens, drafts.scores
         draft_tokens = torch.zeros(len(requests), max(max_drafts, 1), dtype=torch.long, device=self.device)
         draft_scores = torch.zeros(len(requests), max(max_drafts, 1), self.vocab_size, device=self.device)
@@ -524,25 +531,38 @@ class S3REngine:
                             tables if len(rows) == len(requests) else tables[self._tensor(rows)], len(requests))
         return draft_tokens, draft_scores
 
-    def _prelaunch(self, requests: list[Request], accepted: list[int], next_tokens: list[int]) -> None:
-        """Launch the next round's draft phase now, from the lengths and pending tokens this round's decision
-        implies (set in `_round` before), so the device drafts while the host commits this round.
+    def _prelaunch(
+        self,
+        requests: list[Request],
+        draft_counts: list[int],
+        next_tokens: torch.Tensor,
+        contexts: torch.Tensor,
+        remaining: torch.Tensor,
+        view_width: int,
+    ) -> None:
+        """Queue the next round's draft phase before the host reads this round's decision: its pending tokens
+        (`next_tokens`), committed lengths (`contexts`) and draft counts (from `remaining`, the tokens each request
+        has left after this round) are device tensors, and its pages are reserved here for the longest round the
+        decision could lead to. `view_width` bounds the rebuilt index views (the top-K of this round's verify).
 
         Requests that finish in this round (EOS, `max_new_tokens`, a stopping criterion) are drafted for too and
         dropped from the outputs in the next round (`_take_prelaunched`); their writes go to their own reserved
-        pages or the scratch row. Skipped when the next round's pages do not fit without pausing someone.
+        pages or the scratch row. Skipped when those pages do not fit without pausing someone.
         """
-        if self.draft_phase is None:
+        # A request that accepts no draft has the most tokens left, so the most drafts next round.
+        most_drafts = [self._draft_count_for(r.remaining - 1) for r in requests]
+        if max(most_drafts, default=0) == 0:
             return
-        counts = [self._draft_count_for(r.remaining - (a + 1)) for r, a in zip(requests, accepted)]
-        if max(counts, default=0) == 0:
-            return
-        if not self._reserve_if_fits(requests, [r.committed + count + 1 for r, count in zip(requests, counts)]):
+        ends = [
+            min(r.peak_kv_tokens(self.config.draft_len), r.committed + count + 1 + most + 1)
+            for r, count, most in zip(requests, draft_counts, most_drafts)
+        ]
+        if not self._reserve_if_fits(requests, ends):
             return
         tables = self.cache.block_tables([r.slot for r in requests])
-        start = _RoundStart(next_tokens, [r.committed for r in requests], counts)
-        drafts = self._run_draft_phase(requests, start, tables)
-        self._prelaunched = _PrelaunchedDrafts(list(requests), counts, tables, drafts)  # `requests` is mutated
+        counts = self._draft_count_for(remaining)
+        drafts = self._run_draft_phase(requests, next_tokens, contexts, counts, tables, view_width, max(most_drafts))
+        self._prelaunched = _PrelaunchedDrafts(list(requests), tables, drafts)  # `requests` is mutated later
 
     def _take_prelaunched(self, requests: list[Request], draft_counts: list[int]):
         """`(tables, draft tokens, draft scores)` of `requests` from the prelaunched draft phase, or None when there
@@ -560,16 +580,26 @@ class S3REngine:
         keep = self._tensor(rows)  # requests that finished in the previous round are gone
         return launched.tables[keep], tokens[keep], scores[keep]
 
-    def _run_draft_phase(self, requests: list[Request], start: _RoundStart, tables: torch.Tensor) -> DraftOutputs:
-        """Every draft pass of the round on the device: one graph replay, or the same program run eagerly."""
-        metadata = self._tensor([start.pending, start.committed, start.draft_counts, [r.slot for r in requests]])
-        pending, committed, num_drafts, slots = metadata.unbind(0)
-        inputs = DraftInputs(pending, committed, num_drafts, slots, tables, noise=None)
+    def _run_draft_phase(
+        self,
+        requests: list[Request],
+        pending: torch.Tensor,
+        committed: torch.Tensor,
+        counts: torch.Tensor,
+        tables: torch.Tensor,
+        view_width: int,
+        passes: int,
+    ) -> DraftOutputs:
+        """Every draft pass of the round on the device, from device tensors of its pending tokens, committed
+        lengths and draft counts: one graph replay, or the same program run eagerly (`passes` passes over index
+        views at most `view_width` long)."""
+        slots = self._tensor([r.slot for r in requests])
+        inputs = DraftInputs(pending, committed, counts, slots, tables, noise=None)
         if self.graphs is not None and self.graphs.supports_draft_phase(len(requests)):
             return self.graphs.run_draft_phase(self.draft_phase, inputs, self.sampling.generator)
         noise = self.draft_phase.noise_buffer(len(requests), self.device)
         inputs.noise = None if noise is None else draw_noise(noise, self.sampling.generator)
-        return self.draft_phase(inputs, max(r.view_len for r in requests), passes=max(start.draft_counts))
+        return self.draft_phase(inputs, view_width, passes=passes)
 
     def _forced_accept(self, draft_tokens, target_scores, num_drafts):
         """Benchmark-only acceptance pattern (NOT exact): each draft passes with probability `forced_acceptance`."""
@@ -672,12 +702,12 @@ class S3REngine:
         return plan, logits, cu, target_scores
 
     # ================================================================ commit and refresh
-    def _logprobs(self, scores: torch.Tensor, tokens: torch.Tensor) -> list | None:
-        """Log-probabilities of `tokens` under `softmax(scores)` (any leading shape), read back in one go."""
+    def _logprobs(self, scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Log-probabilities of `tokens` under `softmax(scores)` (any leading shape), on the device."""
         if not self.config.return_logprobs:
             return None
         log_probs = torch.log_softmax(scores.float(), dim=-1)
-        return log_probs.gather(-1, tokens.to(scores.device)[..., None]).squeeze(-1).tolist()
+        return log_probs.gather(-1, tokens.to(scores.device)[..., None]).squeeze(-1)
 
     def _commit(
         self,
@@ -732,16 +762,24 @@ class S3REngine:
         return len(block)
 
     def refresh_views(self, plan: StepPlan, segments: list[int], requests: list[Request], contexts: list[int]):
-        """New index views `R ∪ TopK` from the scores the dense forward recorded (DESIGN §4 step 4)."""
+        """New index views `R ∪ TopK` from the scores the dense forward recorded (DESIGN §4 step 4), for requests
+        whose committed lengths after the refresh are `contexts`."""
         if not requests:
             return
+        for request, context in zip(requests, contexts):
+            request.view_len = self.config.budget(context)
+        width = max(r.view_len for r in requests)
+        self._rebuild_views(plan, segments, requests, self._tensor(contexts), width)
+
+    def _rebuild_views(
+        self, plan: StepPlan, segments: list[int], requests: list[Request], contexts: torch.Tensor, width: int
+    ) -> None:
+        """Queue the index-view rebuild of `requests` (plan segments `segments`) at committed lengths `contexts`
+        (a device tensor), so it needs no host read; `width` bounds the views' budgets (a host int). The caller
+        keeps `Request.view_len` in step."""
         seg_index = self._tensor(segments)
         slots = self._tensor([r.slot for r in requests])
         history = plan.dense.history_lens[seg_index]
-        context_lens = self._tensor(contexts)
-        budget_list = [self.config.budget(c) for c in contexts]
-        budgets = self._tensor(budget_list)
-        for request, budget in zip(requests, budget_list):
-            request.view_len = budget
         candidates = self._candidates(plan)[:, seg_index]
-        self.cache.index_views.build(None, slots, candidates, history, context_lens, budgets, width=max(budget_list))
+        budgets = self.config.budgets(contexts)
+        self.cache.index_views.build(None, slots, candidates, history, contexts, budgets, width=width)

@@ -186,6 +186,30 @@ def test_plain_mode_appends_like_dynamic_cache():
 
 
 # ==================================================================== rollback
+def test_budgets_of_a_tensor_agree_with_budget():
+    """The device-side budgets that size the next round's index views before the host reads the new lengths."""
+    contexts = torch.arange(0, 5000)
+    for ratio, minimum in [(0.05, 192), (0.1, 12), (0.3, 1), (1 / 3, 7), (1.0, 4)]:
+        config = S3RConfig(budget_ratio=ratio, min_budget=minimum)
+        assert config.budgets(contexts).tolist() == [config.budget(c) for c in contexts.tolist()]
+
+
+def test_set_length_can_keep_reserved_pages_and_offload_moves_only_valid_ones():
+    cache, ref, a, b = interleaved_cache(page_size=4)
+    pages_a = list(cache.page_lists[a])  # 19 tokens in 5 pages
+    free_before = cache.allocator.num_free
+    cache.set_length(a, 6, release_pages=False)
+    assert cache.page_lists[a] == pages_a and cache.allocator.num_free == free_before
+    ref.truncate(a, 6)
+    assert_slot_matches(cache, ref, a)
+    saved = cache.offload(a)
+    assert saved.num_pages == 2 and saved.length == 6
+    assert cache.page_lists[a] == [] and cache.allocator.num_free == free_before + 5
+    cache.restore(a, saved)
+    assert_slot_matches(cache, ref, a)
+    assert_slot_matches(cache, ref, b)
+
+
 def test_set_length_rollback_frees_pages_and_keeps_prefix():
     cache, ref, a, b = interleaved_cache(page_size=4)
     free_before = cache.allocator.num_free

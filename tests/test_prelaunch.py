@@ -100,3 +100,43 @@ def test_no_early_launch_while_requests_wait_for_a_slot(prelaunch_uses):
     assert prelaunch_uses["whole"] > 0
     # Every early phase was used: none was launched for a set of requests that a newcomer then joined.
     assert prelaunch_uses["launched"] == prelaunch_uses["whole"] + prelaunch_uses["survivors"], prelaunch_uses
+
+
+def test_next_draft_phase_is_queued_before_the_host_reads_the_decision(monkeypatch):
+    """The early draft phase needs no host read: its pending tokens, lengths and draft counts are computed on the
+    device, so it is queued while the decision is still in flight, and the device never waits for the host's
+    commit. Checked by the order of calls: the phase's launch comes before the read it would otherwise wait for."""
+    from s3r_hf import engine as engine_module
+
+    events = []
+    copy, run_phase = engine_module.start_host_copy, S3REngine._run_draft_phase
+
+    def recording_copy(tensor):
+        wait = copy(tensor)
+
+        def read():
+            events.append("read")
+            return wait()
+
+        return read
+
+    def recording_phase(engine, *args):
+        events.append("phase")
+        return run_phase(engine, *args)
+
+    monkeypatch.setattr(engine_module, "start_host_copy", recording_copy)
+    monkeypatch.setattr(S3REngine, "_run_draft_phase", recording_phase)
+    model = s3r_hf.enable(tiny_model("llama", seed=47).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([11, 17], seed=48))
+    config = S3RConfig(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, cuda_graphs=DEVICE.type == "cuda")
+    dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=30)
+    out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=30,
+                         s3r_config=config)
+    assert torch.equal(out, dense)
+    rounds = out.s3r_stats.steps
+    # The first round drafts on its own; every later round's phase was launched before the previous round's read
+    # (launched after it, the pattern would be phase, read, phase, read). The last rounds, with a token or two
+    # left, may draft nothing.
+    early = rounds - 3
+    assert early > 3 and events[: 2 * early + 1] == ["phase"] + ["phase", "read"] * early, events
+    assert events.count("read") == rounds

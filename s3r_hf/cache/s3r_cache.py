@@ -196,13 +196,14 @@ class S3RCache(Cache):
             pages.extend(self.allocator.allocate(missing))
             self._mirror(slot, held)
 
-    def set_length(self, slot: int, length: int) -> None:
-        """Set the valid length of `slot`; shrinking rolls back and frees pages beyond the new length."""
+    def set_length(self, slot: int, length: int, release_pages: bool = True) -> None:
+        """Set the valid length of `slot`; shrinking rolls back, and with `release_pages` frees the pages beyond the
+        new length (without, they stay reserved for the slot, as `reserve` left them)."""
         pages = self.page_lists[slot]
         if length > len(pages) * self.page_size:
             raise ValueError(f"slot {slot}: length {length} exceeds its {len(pages)} reserved pages")
         keep = self.pages_for(length)
-        if keep < len(pages):
+        if release_pages and keep < len(pages):
             self.allocator.free(pages[keep:])
             self._host_tables.numpy()[slot, keep : len(pages)] = 0  # NumPy view: a tensor slice write is ~10 µs
             del pages[keep:]
@@ -234,8 +235,10 @@ class S3RCache(Cache):
 
     # ---------------------------------------------------------------- offload
     def offload(self, slot: int) -> OffloadedRequest:
-        """Copy a slot's K/V to host memory and free its pages; the slot itself stays reserved."""
-        pages = torch.tensor(self.page_lists[slot], dtype=torch.long, device=self.device)
+        """Copy a slot's K/V to host memory and free its pages; the slot itself stays reserved. Only the pages that
+        hold its valid length travel (pages reserved past it hold nothing yet)."""
+        held = self.page_lists[slot][: self.pages_for(self.lengths[slot])]
+        pages = torch.tensor(held, dtype=torch.long, device=self.device)
         pin = self.device.type == "cuda"
         keys = [self._to_host(layer.keys[pages], pin) for layer in self.layers]
         values = [self._to_host(layer.values[pages], pin) for layer in self.layers]
