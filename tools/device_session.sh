@@ -17,6 +17,7 @@
 #   smol-queue   the headline bench with 4 x 64 requests run 64 at a time (a rollout queue: no straggler tail)
 #   profile      CUDA kernels per AR step and per S3R round, SmolLM2 4K, graphs + compiled layers
 #   profile-qwen the same for the Qwen3-1.7B shape at B=64, S=8K, forced acceptance 0.8
+#   host-profile the profile step's calls under cProfile: where the host spends a step (SmolLM2 4K)
 #   smol-fp32    fp32 greedy exactness of S3R against engine AR at 4K
 #   divergence   greedy model.generate vs engine AR vs S3R, compiled or not: rows that part, and the reference's
 #                top-2 logit gap where they do (tools/greedy_divergence.py; DIV_SEQ, DIV_DTYPE)
@@ -69,6 +70,11 @@ for step in "$@"; do
     timeout 240 python3 tools/profile_engine.py --model $smol --data $data --batch 64 --seq ${SMOL_SEQ:-4096} \
       --budget 0.05 --min-budget 64 --cuda-graphs --compile-layers 2>&1 | grep -v -i warn | tee "$OUT/profile.log" \
       | tail -100
+    ;;
+  host-profile)
+    timeout 240 python3 tools/profile_engine.py --model $smol --data $data --batch 64 --seq ${SMOL_SEQ:-4096} \
+      --budget 0.05 --min-budget 64 --cuda-graphs --compile-layers --python --rows 45 2>&1 | grep -v -i warn \
+      | tee "$OUT/host_profile.log" | tail -120
     ;;
   profile-qwen)
     timeout 290 python3 tools/profile_engine.py --model qwen3-1.7b --batch 64 --seq 8192 --max-new-tokens 64 \
