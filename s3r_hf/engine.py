@@ -213,10 +213,17 @@ class S3REngine:
             )
 
     def _restore_and_admit(self, waiting: deque, running: list, paused: deque) -> None:
-        """Restore paused requests first, then admit new ones, under the concurrency limit and KV capacity."""
+        """Restore paused requests first, then admit new ones, under the concurrency limit and KV capacity.
+
+        Pages a running request will still take for its prompt (prefill reserves chunk by chunk) count as taken.
+        """
+        promised = sum(
+            max(0, self._pages_needed_for_prompt(r) - len(self.cache.page_lists[r.slot]))
+            for r in running if r.prefilled < r.prompt_len
+        )
         while paused and len(running) < self.concurrency.limit:
             request = paused[0]
-            if self.cache.allocator.num_free < self._pages_needed(request):
+            if self.cache.allocator.num_free - promised < self._pages_needed(request):
                 break
             paused.popleft()
             self.cache.restore(request.slot, request.offloaded)
@@ -225,7 +232,7 @@ class S3REngine:
             running.append(request)
         if paused:
             return
-        available = self.cache.allocator.num_free
+        available = self.cache.allocator.num_free - promised
         while waiting and len(running) < self.concurrency.limit:
             request = waiting[0]
             needed = self._pages_needed_for_prompt(request)

@@ -165,11 +165,12 @@ def _default_num_pages(requests: list[Request], config: S3RConfig, model: PreTra
 
 
 def _free_device_memory(device: torch.device) -> int | None:
-    """Free bytes on a CUDA device; None elsewhere (CPU pools are sized for every request)."""
+    """Free bytes on a CUDA device, counting what torch's caching allocator holds unused (an earlier call's pools
+    and graphs); None elsewhere (CPU pools are sized for every request)."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return free
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _assemble(input_ids, requests, generation_config, stats, config) -> S3RGenerateOutput | torch.LongTensor:

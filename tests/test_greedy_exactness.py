@@ -147,6 +147,20 @@ def test_kv_pressure_pauses_and_resumes_requests():
     assert out.s3r_stats.peak_kv_pages <= 36
 
 
+def test_admission_counts_prompt_pages_that_chunked_prefill_has_not_reserved_yet():
+    """Prefill reserves a prompt's pages chunk by chunk; a request admitted on the pages still free after the
+    first chunks would leave a later chunk without room. Admission counts the pages promised to prompts."""
+    model = s3r_hf.enable(tiny_model("llama", seed=13))
+    input_ids, attention_mask = left_padded_batch([40, 40, 40, 40], seed=15)
+    dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12)
+    # About three prompts fit (12 pages each with one round); two chunks of 8 tokens per prefill step.
+    config = S3RConfig(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, num_pages=36, prefill_chunk_size=8)
+    out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12,
+                         s3r_config=config)
+    assert torch.equal(out, dense)
+    assert out.s3r_stats.peak_kv_pages <= 36
+
+
 def test_default_pool_is_capped_by_free_device_memory(monkeypatch):
     """With `num_pages` unset the pool holds every request only while `kv_memory_fraction` of the free device
     memory allows; a smaller pool runs the requests that fit and nothing is lost."""
