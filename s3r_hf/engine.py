@@ -11,6 +11,7 @@ import inspect
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel, StoppingCriteriaList
@@ -59,6 +60,25 @@ class _PrelaunchedDrafts:
     tables: torch.Tensor
     drafts: DraftOutputs
     draft_counts: list[int] | None = None
+
+
+class _Verified(NamedTuple):
+    """A verify forward's plan, logits `[N, V]`, block starts (`N` offsets per request, then the end) and
+    processed target scores `[R, k + 1, V]`."""
+
+    plan: StepPlan
+    logits: torch.Tensor
+    block_starts: list[int]
+    target_scores: torch.Tensor
+
+
+@dataclass
+class _PrelaunchedStep:
+    """Engine AR: the next dense step's forward, launched before the host read this step's tokens
+    (`S3REngine._prelaunch_dense_step`)."""
+
+    requests: list[Request]
+    verified: _Verified
 
 
 class S3REngine:
@@ -114,6 +134,7 @@ class S3REngine:
         self.graphs: DecodeGraphs | None = None
         # The next round's draft phase, when it could be launched before this round's host commit.
         self._prelaunched: _PrelaunchedDrafts | None = None
+        self._prelaunched_step: _PrelaunchedStep | None = None  # engine AR's counterpart
         self._may_prelaunch = False
         self._captured_before_stage = 0.0  # capture seconds already counted when the current stage began
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -156,8 +177,8 @@ class S3REngine:
                     self._prefill_step(prefilling)
                 else:
                     self._make_room_for_round(running, paused)
-                    # Only when the next round can hold no one new; with stage timing every stage stays apart.
-                    self._may_prelaunch = not waiting and not paused and self.timing != "stages"
+                    # With stage timing every stage stays apart.
+                    self._may_prelaunch = self.timing != "stages"
                     self._round(running)
                 for request in [r for r in running if r.status is RequestStatus.FINISHED]:
                     running.remove(request)
@@ -432,16 +453,19 @@ class S3REngine:
             started = self._clock()
             self._captured_before_stage = self._capture_seconds()
         draft_counts = [self._draft_count(r) for r in requests]
-        max_drafts = max(draft_counts, default=0)
         prelaunched = self._take_prelaunched(requests, draft_counts)
-        if prelaunched is not None:  # drafted while the host committed the previous round
-            tables, draft_tokens, draft_scores = prelaunched
+        if prelaunched is not None:  # drafted while the host read and committed the previous round
+            draft_counts, tables, draft_tokens, draft_scores = prelaunched
         else:
             # Pages for the whole round were reserved before it: one block table serves every forward of the round.
             tables = self.cache.block_tables([r.slot for r in requests])
             draft_tokens, draft_scores = self._draft(requests, draft_counts, tables)
+        max_drafts = max(draft_counts, default=0)
         started = self._stage_done("draft", started)
-        plan, logits, block_starts, target_scores = self._verify(requests, draft_counts, draft_tokens, tables)
+        verified = self._take_prelaunched_step(requests)
+        if verified is None:
+            verified = self._verify(requests, draft_counts, draft_tokens, tables)
+        plan, logits, block_starts, target_scores = verified
         started = self._stage_done("verify", started)
         num_drafts = self._tensor(draft_counts)
         if self.mode == "unverified":
@@ -477,6 +501,8 @@ class S3REngine:
         if self._may_prelaunch and self.draft_phase is not None:
             left = remaining - (num_accepted + 1)
             self._prelaunch(requests, draft_counts, next_tokens, contexts, left, plan.dense.num_candidates)
+        if self._may_prelaunch and self.mode == "ar" and self.sampling.logits_processor.history_free:
+            self._prelaunch_dense_step(requests, next_tokens, draft_tokens)
         started = self._stage_done("refresh", started)
         decision = read_decision().tolist()
         accepted_list = [row[0] for row in decision]
@@ -572,20 +598,58 @@ class S3REngine:
         self._prelaunched = _PrelaunchedDrafts(list(requests), tables, drafts)  # `requests` is mutated later
 
     def _take_prelaunched(self, requests: list[Request], draft_counts: list[int]):
-        """`(tables, draft tokens, draft scores)` of `requests` from the prelaunched draft phase, or None when there
-        is none or it does not cover this round (then the round drafts again, over the provisional K/V)."""
+        """`(draft counts, block tables, draft tokens, draft scores)` of this round from the prelaunched draft phase,
+        or None when there is none or it covers fewer than half of `requests` (then the round drafts afresh).
+
+        Requests it covers take their rows (those that finished in the previous round are dropped). Requests it
+        does not cover, admitted or restored since it was launched, draft nothing this round: they take one dense
+        token, and draft with the others from the next round on.
+        """
         launched, self._prelaunched = self._prelaunched, None
         if launched is None:
             return None
         index = {id(request): row for row, request in enumerate(launched.requests)}
         rows = [index.get(id(request)) for request in requests]
-        if None in rows or [launched.draft_counts[row] for row in rows] != draft_counts:
+        covered = [row is not None and launched.draft_counts[row] == count for row, count in zip(rows, draft_counts)]
+        if 2 * sum(covered) < len(requests):
             return None
         tokens, scores = launched.drafts.tokens, launched.drafts.scores
+        if all(covered) and rows == list(range(len(launched.requests))):
+            return draft_counts, launched.tables, tokens, scores
+        counts = [count if ok else 0 for count, ok in zip(draft_counts, covered)]
+        gather = self._tensor([row if ok else 0 for row, ok in zip(rows, covered)])  # uncovered rows: ignored
+        return counts, self.cache.block_tables([r.slot for r in requests]), tokens[gather], scores[gather]
+
+    def _prelaunch_dense_step(self, requests: list[Request], next_tokens: torch.Tensor, zeros: torch.Tensor) -> None:
+        """Engine AR: queue the next step's dense forward before the host reads this step's tokens. Every request
+        commits exactly one token per step, so the next step's lengths and pages are known on the host, and its
+        input tokens are `next_tokens` on the device; the host reads and commits while the device runs it (the
+        same overlap the S3R draft phase gets from `_prelaunch`, so the baseline is not held back by host time).
+        `zeros` are the step's (empty) draft tokens. Requests that finish now get a row too, dropped next step."""
+        if all(r.remaining <= 1 for r in requests):
+            return
+        if not self._reserve_if_fits(requests, [r.committed + 2 for r in requests]):
+            return
+        tables = self.cache.block_tables([r.slot for r in requests])
+        committed = [r.committed + 1 for r in requests]
+        verified = self._verify(requests, [0] * len(requests), zeros, tables, committed=committed, pending=next_tokens)
+        self._prelaunched_step = _PrelaunchedStep(list(requests), verified)  # `requests` is mutated later
+
+    def _take_prelaunched_step(self, requests: list[Request]) -> _Verified | None:
+        """This step's forward from `_prelaunch_dense_step`, for the rows of `requests`; None when there is none or
+        a request joined since (then the step runs again for all)."""
+        launched, self._prelaunched_step = self._prelaunched_step, None
+        if launched is None:
+            return None
+        index = {id(request): row for row, request in enumerate(launched.requests)}
+        rows = [index.get(id(request)) for request in requests]
+        if None in rows:
+            return None
         if rows == list(range(len(launched.requests))):
-            return launched.tables, tokens, scores
-        keep = self._tensor(rows)  # requests that finished in the previous round are gone
-        return launched.tables[keep], tokens[keep], scores[keep]
+            return launched.verified
+        keep = self._tensor(rows)  # one query per request, so a request's row is its logits row too
+        plan, logits, _, target_scores = launched.verified
+        return _Verified(plan, logits[keep], list(range(len(rows) + 1)), target_scores[keep])
 
     def _run_draft_phase(
         self,
@@ -665,11 +729,23 @@ class S3REngine:
             for request, token in zip(requests, drafts.tolist()):
                 request.tokens[request.length + step] = token
 
-    def _verify(self, requests: list[Request], draft_counts: list[int], draft_tokens: torch.Tensor, tables):
-        """Dense forward over `[pending, d_1..d_k]` of every request; overwrites the drafts' provisional K/V."""
+    def _verify(
+        self,
+        requests: list[Request],
+        draft_counts: list[int],
+        draft_tokens: torch.Tensor,
+        tables: torch.Tensor,
+        committed: list[int] | None = None,
+        pending: torch.Tensor | None = None,
+    ) -> _Verified:
+        """Dense forward over `[pending, d_1..d_k]` of every request; overwrites the drafts' provisional K/V.
+
+        `committed` lengths and `pending` tokens (a device tensor) default to the requests' own.
+        """
+        committed = committed if committed is not None else [r.committed for r in requests]
+        pending = pending if pending is not None else self._tensor([r.pending for r in requests])
         write, positions, cu, history, block_rows, block_offsets = [], [], [0], [], [], []
-        for row, (request, count) in enumerate(zip(requests, draft_counts)):
-            context = request.committed
+        for row, (request, context, count) in enumerate(zip(requests, committed, draft_counts)):
             write += self.cache.flat_indices(request.slot, range(context, context + count + 1))
             positions += list(range(context, context + count + 1))
             cu.append(cu[-1] + count + 1)
@@ -677,9 +753,9 @@ class S3REngine:
             block_rows += [row] * (count + 1)
             block_offsets += list(range(count + 1))
         # `[pending, d_1..d_k]` of every request, gathered on the device.
-        blocks = torch.cat([self._tensor([r.pending for r in requests])[:, None], draft_tokens], dim=1)
+        blocks = torch.cat([pending[:, None], draft_tokens], dim=1)
         tokens = blocks[self._tensor(block_rows), self._tensor(block_offsets)]
-        num_candidates = max(self.config.budget(r.committed + k + 1) for r, k in zip(requests, draft_counts))
+        num_candidates = max(self.config.budget(c + k + 1) for c, k in zip(committed, draft_counts))
         dense = DenseSegments(
             query_index=None,
             cu_seqlens=self._int32(cu),
@@ -689,7 +765,7 @@ class S3REngine:
             history_lens=self._tensor(history),
             num_candidates=num_candidates,
             max_query_len=max(draft_counts) + 1,
-            max_context=max(r.committed + k + 1 for r, k in zip(requests, draft_counts)),
+            max_context=max(c + k + 1 for c, k in zip(committed, draft_counts)),
             max_scored_queries=max(draft_counts) + 1,
         )
         plan = StepPlan(write_index=self._tensor(write), position_ids=dense.positions.long()[None], dense=dense)
@@ -703,10 +779,10 @@ class S3REngine:
         flat_scores = self.sampling.logits_processor(rows, histories, logits)
         width = max(draft_counts) + 1
         if len(block_rows) == width * len(requests):  # every block is full: the rows are already in place
-            return plan, logits, cu, flat_scores.reshape(len(requests), width, -1)
+            return _Verified(plan, logits, cu, flat_scores.reshape(len(requests), width, -1))
         target_scores = torch.zeros(len(requests), width, flat_scores.shape[-1], device=self.device)
         target_scores[self._tensor(block_rows), self._tensor(block_offsets)] = flat_scores
-        return plan, logits, cu, target_scores
+        return _Verified(plan, logits, cu, target_scores)
 
     # ================================================================ commit and refresh
     def _logprobs(self, scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:

@@ -17,9 +17,9 @@ DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
 
 @pytest.fixture
 def prelaunch_uses(monkeypatch):
-    """Early draft phases launched, and rounds that used one: for all their requests, or for the survivors of a
-    round in which some finished."""
-    uses = {"launched": 0, "whole": 0, "survivors": 0}
+    """Early draft phases launched, and rounds that used one: for all their requests, or for some (the survivors of
+    a round in which some finished, next to newcomers that draft nothing in their first round)."""
+    uses = {"launched": 0, "whole": 0, "survivors": 0, "newcomers": 0}
     take, prelaunch = S3REngine._take_prelaunched, S3REngine._prelaunch
 
     def counting_launches(engine, *args):
@@ -32,6 +32,7 @@ def prelaunch_uses(monkeypatch):
         result = take(engine, requests, draft_counts)
         if result is not None:
             uses["whole" if len(requests) == len(launched.requests) else "survivors"] += 1
+            uses["newcomers"] += sum(id(r) not in {id(old) for old in launched.requests} for r in requests)
         return result
 
     monkeypatch.setattr(S3REngine, "_take_prelaunched", counting)
@@ -86,20 +87,22 @@ def test_prelaunched_rounds_draw_the_same_random_numbers(prelaunch_uses):
     assert torch.equal(early, apart)
 
 
-def test_no_early_launch_while_requests_wait_for_a_slot(prelaunch_uses):
-    """With a queue, a finished request's slot goes to a waiting one, which the early draft phase did not cover;
-    the engine launches early only once nothing waits, and the tokens still match dense greedy decoding."""
-    model = s3r_hf.enable(tiny_model("qwen3", seed=43).to(DEVICE))
-    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 14, 21, 6], seed=44))
-    dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=24)
-    config = S3RConfig(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, concurrency_min=2,
-                       concurrency_max=2, cuda_graphs=DEVICE.type == "cuda")
-    out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=24,
-                         s3r_config=config)
+def test_early_launch_with_requests_waiting_for_a_slot(prelaunch_uses):
+    """With a queue, a finished request's slot goes to a waiting one, which the early draft phase did not cover:
+    the survivors take their early drafts, the newcomer drafts nothing in its first round, and the tokens still
+    match dense greedy decoding."""
+    model = s3r_hf.enable(tiny_model("llama", seed=41).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([7, 19, 30, 12, 25, 16], seed=42))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=40, eos_token_id=[7, 11],
+                  pad_token_id=0)
+    dense = model.generate(input_ids, **kwargs)
+    config = S3RConfig(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, concurrency_min=3,
+                       concurrency_max=3, cuda_graphs=DEVICE.type == "cuda")
+    out = model.generate(input_ids, s3r_config=config, **kwargs)
     assert torch.equal(out, dense)
-    assert prelaunch_uses["whole"] > 0
-    # Every early phase was used: none was launched for a set of requests that a newcomer then joined.
-    assert prelaunch_uses["launched"] == prelaunch_uses["whole"] + prelaunch_uses["survivors"], prelaunch_uses
+    lengths = (out[:, input_ids.shape[1]:] != 0).sum(dim=1)
+    assert len(set(lengths.tolist())) > 1, "requests should finish at different rounds"
+    assert prelaunch_uses["whole"] > 0 and prelaunch_uses["newcomers"] > 0, prelaunch_uses
 
 
 def test_next_draft_phase_is_queued_before_the_host_reads_the_decision(monkeypatch):
@@ -140,3 +143,50 @@ def test_next_draft_phase_is_queued_before_the_host_reads_the_decision(monkeypat
     early = rounds - 3
     assert early > 3 and events[: 2 * early + 1] == ["phase"] + ["phase", "read"] * early, events
     assert events.count("read") == rounds
+
+
+def test_engine_ar_launches_the_next_step_before_reading_this_one(monkeypatch):
+    """The engine's dense baseline overlaps host and device the same way: each step's forward is queued before
+    the host reads the previous step's tokens. With EOS inside the batch (survivors' rows) and a queue
+    (newcomers, for whom the step runs again), greedy output still equals `model.generate`; seeded sampling
+    draws the same random numbers as with every stage apart."""
+    from s3r_hf import engine as engine_module
+
+    events = []
+    copy, verify = engine_module.start_host_copy, S3REngine._verify
+
+    def recording_copy(tensor):
+        wait = copy(tensor)
+
+        def read():
+            events.append("read")
+            return wait()
+
+        return read
+
+    def recording_verify(engine, *args, **kwargs):
+        events.append("forward")
+        return verify(engine, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "start_host_copy", recording_copy)
+    monkeypatch.setattr(S3REngine, "_verify", recording_verify)
+    model = s3r_hf.enable(tiny_model("llama", seed=41).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([7, 19, 30, 12, 25, 16], seed=42))
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=40, eos_token_id=[7, 11], pad_token_id=0,
+                  s3r_mode="ar")
+    dense = model.generate(input_ids, do_sample=False, **{k: v for k, v in kwargs.items() if k != "s3r_mode"})
+    config = S3RConfig(page_size=4, seed=5, cuda_graphs=DEVICE.type == "cuda")
+    out = model.generate(input_ids, do_sample=False, s3r_config=config, **kwargs)
+    assert torch.equal(out, dense)
+    steps = out.s3r_stats.steps
+    lengths = (out[:, input_ids.shape[1]:] != 0).sum(dim=1)
+    assert len(set(lengths.tolist())) > 1, "requests should finish at different steps"
+    assert events[:7] == ["forward", "forward", "read", "forward", "read", "forward", "read"], events
+    assert events.count("read") == steps and events.count("forward") == steps
+    # A queue: newcomers make a launched step run again, for everyone.
+    queued = S3RConfig(page_size=4, concurrency_min=3, concurrency_max=3, cuda_graphs=DEVICE.type == "cuda")
+    assert torch.equal(model.generate(input_ids, do_sample=False, s3r_config=queued, **kwargs), dense)
+    # Seeded sampling: the same samples with the next step launched early and with every stage apart.
+    early = model.generate(input_ids, do_sample=True, s3r_config=config, **kwargs)
+    apart = model.generate(input_ids, do_sample=True, s3r_config=config, s3r_timing="stages", **kwargs)
+    assert torch.equal(early, apart)
