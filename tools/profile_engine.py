@@ -2,7 +2,8 @@
 
 Prints, per mode, every kernel with its launches per step, µs per launch and ms per step (kernels inside CUDA
 graphs included), so per-layer launch counts and their cost show directly, and the same call's unprofiled wall
-time per step, whose excess over the kernels' device time is what the device spends waiting for the host.
+time per step, whose excess over the kernels' device time is time the device runs no kernel: waiting for the host,
+or in the gaps between kernels (inside a CUDA graph too).
 
 python tools/profile_engine.py --model qwen3-1.7b --batch 16 --seq 4096 --acceptance 0.8
 python tools/profile_engine.py --model SmolLM2-135M-Instruct.Q4_1.gguf --data math_train.json --batch 64 \\
@@ -93,8 +94,8 @@ def main() -> None:
                   f"{stats.prefill_seconds:.3f}s")
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.rows)
             continue
-        # The same call unprofiled: its wall time per step minus the kernels' device time below is what the device
-        # spends waiting for the host.
+        # The same call unprofiled: its wall time per step minus the kernels' device time below is time without a
+        # kernel running (host waits, gaps between kernels).
         stats = model.generate(input_ids, max_new_tokens=args.max_new_tokens, s3r_mode=mode,
                                s3r_forced_acceptance=acceptance, **common).s3r_stats
         wall_ms = (stats.decode_seconds - stats.graph_capture_seconds) * 1e3 / max(stats.steps, 1)
@@ -110,8 +111,8 @@ def main() -> None:
         print(f"\n===== {mode}: steps {stats.steps}, decode {stats.decode_seconds * 1e3 / max(stats.steps, 1):.2f} "
               f"ms/step (profiled), tau {stats.mean_acceptance_length:.2f}")
         table, kernel_ms = kernel_table(totals[1], totals[0], max(steps[1] - steps[0], 1), args.rows)
-        print(f"unprofiled: {wall_ms:.2f} ms/step wall, {kernel_ms:.2f} ms/step of kernels, so the device waits "
-              f"{wall_ms - kernel_ms:.2f} ms/step for the host")
+        print(f"unprofiled: {wall_ms:.2f} ms/step wall, {kernel_ms:.2f} ms/step of kernels, so the device runs no "
+              f"kernel for {wall_ms - kernel_ms:.2f} ms/step (host waits and gaps between kernels)")
         print(table)
 
 
