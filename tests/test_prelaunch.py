@@ -40,6 +40,37 @@ def prelaunch_uses(monkeypatch):
     return uses
 
 
+@pytest.fixture
+def call_order(monkeypatch):
+    """`(events, record)`: every read of a decision copy appends "read" to `events`; `record(name, label)` makes
+    `S3REngine.<name>` append `label` each time it is called."""
+    from s3r_hf import engine as engine_module
+
+    events = []
+    copy = engine_module.start_host_copy
+
+    def recording_copy(tensor):
+        wait = copy(tensor)
+
+        def read():
+            events.append("read")
+            return wait()
+
+        return read
+
+    def record(name: str, label: str) -> None:
+        method = getattr(S3REngine, name)
+
+        def recording(engine, *args, **kwargs):
+            events.append(label)
+            return method(engine, *args, **kwargs)
+
+        monkeypatch.setattr(S3REngine, name, recording)
+
+    monkeypatch.setattr(engine_module, "start_host_copy", recording_copy)
+    return events, record
+
+
 def _generate_early_and_apart(model, input_ids, attention_mask, uses, **kwargs):
     """The same call with the early draft launch and with stage timing, which keeps every stage of a round apart
     (no early launch)."""
@@ -105,30 +136,12 @@ def test_early_launch_with_requests_waiting_for_a_slot(prelaunch_uses):
     assert prelaunch_uses["whole"] > 0 and prelaunch_uses["newcomers"] > 0, prelaunch_uses
 
 
-def test_next_draft_phase_is_queued_before_the_host_reads_the_decision(monkeypatch):
+def test_next_draft_phase_is_queued_before_the_host_reads_the_decision(call_order):
     """The early draft phase needs no host read: its pending tokens, lengths and draft counts are computed on the
     device, so it is queued while the decision is still in flight, and the device never waits for the host's
     commit. Checked by the order of calls: the phase's launch comes before the read it would otherwise wait for."""
-    from s3r_hf import engine as engine_module
-
-    events = []
-    copy, run_phase = engine_module.start_host_copy, S3REngine._run_draft_phase
-
-    def recording_copy(tensor):
-        wait = copy(tensor)
-
-        def read():
-            events.append("read")
-            return wait()
-
-        return read
-
-    def recording_phase(engine, *args):
-        events.append("phase")
-        return run_phase(engine, *args)
-
-    monkeypatch.setattr(engine_module, "start_host_copy", recording_copy)
-    monkeypatch.setattr(S3REngine, "_run_draft_phase", recording_phase)
+    events, record = call_order
+    record("_run_draft_phase", "phase")
     model = s3r_hf.enable(tiny_model("llama", seed=47).to(DEVICE))
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([11, 17], seed=48))
     config = S3RConfig(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, cuda_graphs=DEVICE.type == "cuda")
@@ -145,31 +158,13 @@ def test_next_draft_phase_is_queued_before_the_host_reads_the_decision(monkeypat
     assert events.count("read") == rounds
 
 
-def test_engine_ar_launches_the_next_step_before_reading_this_one(monkeypatch):
+def test_engine_ar_launches_the_next_step_before_reading_this_one(call_order):
     """The engine's dense baseline overlaps host and device the same way: each step's forward is queued before
     the host reads the previous step's tokens. With EOS inside the batch (survivors' rows) and a queue
     (newcomers, for whom the step runs again), greedy output still equals `model.generate`; seeded sampling
     draws the same random numbers as with every stage apart."""
-    from s3r_hf import engine as engine_module
-
-    events = []
-    copy, verify = engine_module.start_host_copy, S3REngine._verify
-
-    def recording_copy(tensor):
-        wait = copy(tensor)
-
-        def read():
-            events.append("read")
-            return wait()
-
-        return read
-
-    def recording_verify(engine, *args, **kwargs):
-        events.append("forward")
-        return verify(engine, *args, **kwargs)
-
-    monkeypatch.setattr(engine_module, "start_host_copy", recording_copy)
-    monkeypatch.setattr(S3REngine, "_verify", recording_verify)
+    events, record = call_order
+    record("_verify", "forward")
     model = s3r_hf.enable(tiny_model("llama", seed=41).to(DEVICE))
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([7, 19, 30, 12, 25, 16], seed=42))
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=40, eos_token_id=[7, 11], pad_token_id=0,
