@@ -145,7 +145,7 @@ def _default_num_pages(requests: list[Request], config: S3RConfig, model: PreTra
     `kv_memory_fraction` of the free device memory (the scheduler then runs what fits and the rest waits)."""
     peaks = [-(-r.peak_kv_tokens(config.draft_len) // config.page_size) for r in requests]
     wanted = max(1, sum(peaks))
-    free = _free_device_memory(torch.device(device))
+    free = _free_device_memory(device)
     if free is None:
         return wanted
     size = page_bytes(model.config, config.page_size, model.dtype)
