@@ -185,3 +185,28 @@ def test_engine_ar_launches_the_next_step_before_reading_this_one(call_order):
     early = model.generate(input_ids, do_sample=True, s3r_config=config, **kwargs)
     apart = model.generate(input_ids, do_sample=True, s3r_config=config, s3r_timing="stages", **kwargs)
     assert torch.equal(early, apart)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_early_launches_under_kv_pressure_with_a_queue_and_eos(seed, prelaunch_uses):
+    """The early draft phase with everything that changes a round's membership at once: requests finishing on
+    EOS, newcomers from the queue, and requests paused (offloaded) and restored when the pool runs short. Greedy
+    output equals dense decoding, and early phases were used."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 30, (6,), generator=generator).tolist()
+    model = s3r_hf.enable(tiny_model("llama", seed=50 + seed).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch(lengths, seed=60 + seed))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=48, pad_token_id=0)
+    # EOS tokens that dense decoding reaches mid-way in some rows, so requests finish at different rounds.
+    free = model.generate(input_ids, eos_token_id=None, **kwargs)[:, input_ids.shape[1]:]
+    kwargs["eos_token_id"] = [int(free[0, 30]), int(free[3, 40])]
+    dense = model.generate(input_ids, **kwargs)
+    # Room for about one and a half requests at full length; at most four run at once.
+    config = S3RConfig(draft_len=4, budget_ratio=0.2, min_budget=2, page_size=4, num_pages=32, concurrency_min=4,
+                       concurrency_max=4, cuda_graphs=DEVICE.type == "cuda")
+    out = model.generate(input_ids, s3r_config=config, **kwargs)
+    assert torch.equal(out, dense)
+    assert out.s3r_stats.peak_kv_pages <= 32 and out.s3r_stats.offload_episodes > 0
+    assert prelaunch_uses["whole"] + prelaunch_uses["survivors"] > 0, prelaunch_uses
+    generated = (dense[:, input_ids.shape[1]:] != 0).sum(dim=1)
+    assert len(set(generated.tolist())) > 1, "requests should finish at different rounds"
