@@ -79,6 +79,7 @@ def main() -> None:
                        budget_ratio=args.budget, min_budget=args.min_budget)
     common = dict(attention_mask=torch.ones_like(input_ids), do_sample=False, pad_token_id=0, eos_token_id=None,
                   s3r_config=config, s3r_timing=True)
+    per_token = {}  # mode -> (wall µs, kernel µs) per committed token
     for mode, acceptance in (("ar", None), ("s3r", args.acceptance)):
         # Warm-up: compilation and graph captures of this shape happen here, not in the profiled call.
         model.generate(input_ids, max_new_tokens=args.max_new_tokens, s3r_mode=mode,
@@ -99,7 +100,7 @@ def main() -> None:
         stats = model.generate(input_ids, max_new_tokens=args.max_new_tokens, s3r_mode=mode,
                                s3r_forced_acceptance=acceptance, **common).s3r_stats
         wall_ms = (stats.decode_seconds - stats.graph_capture_seconds) * 1e3 / max(stats.steps, 1)
-        totals, steps = [], []
+        totals, steps, committed = [], [], []
         # Two calls that differ only in decode steps: their difference leaves out prefill and graph captures.
         for max_new_tokens in (16, args.max_new_tokens):
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -107,13 +108,23 @@ def main() -> None:
                                      s3r_forced_acceptance=acceptance, **common)
             totals.append(kernel_totals(prof))
             steps.append(out.s3r_stats.steps)
+            committed.append(out.s3r_stats.committed)
         stats = out.s3r_stats
         print(f"\n===== {mode}: steps {stats.steps}, decode {stats.decode_seconds * 1e3 / max(stats.steps, 1):.2f} "
               f"ms/step (profiled), tau {stats.mean_acceptance_length:.2f}")
-        table, kernel_ms = kernel_table(totals[1], totals[0], max(steps[1] - steps[0], 1), args.rows)
+        step_count = max(steps[1] - steps[0], 1)
+        table, kernel_ms = kernel_table(totals[1], totals[0], step_count, args.rows)
         print(f"unprofiled: {wall_ms:.2f} ms/step wall, {kernel_ms:.2f} ms/step of kernels, so the device runs no "
               f"kernel for {wall_ms - kernel_ms:.2f} ms/step (host waits and gaps between kernels)")
         print(table)
+        # Tokens committed per step over the profiled window (all requests together).
+        tokens_per_step = max(committed[1] - committed[0], 1) / step_count
+        per_token[mode] = (wall_ms / tokens_per_step * 1e3, kernel_ms / tokens_per_step * 1e3)
+    if len(per_token) == 2:
+        (ar_wall, ar_kernels), (s3r_wall, s3r_kernels) = per_token["ar"], per_token["s3r"]
+        print(f"\nper committed token: AR {ar_wall:.1f} us wall, {ar_kernels:.1f} us of kernels; S3R {s3r_wall:.1f} us "
+              f"wall, {s3r_kernels:.1f} us of kernels; S3R / AR speed {ar_wall / s3r_wall:.2f}x by wall time, "
+              f"{ar_kernels / s3r_kernels:.2f}x by kernel time")
 
 
 if __name__ == "__main__":
