@@ -83,26 +83,19 @@ class DraftPhase:
             # Sampled drafts must follow the scores the acceptance test divides by; an argmax would not.
             raise ValueError("sampled drafting needs DraftInputs.noise (see DraftPhase.noise_buffer and draw_noise)")
         rows = inputs.pending.shape[0]
+        passes = self.draft_len if passes is None else passes
         tail_starts = inputs.committed.to(torch.int32)
+        positions, write_index = self._pass_positions(inputs, passes)
+        positions_int32 = positions.to(torch.int32)
         tokens = inputs.pending
         drafted, scores = [], []
-        for step in range(self.draft_len if passes is None else passes):
-            # Passes past a request's own drafts repeat its last real position, whose pages are reserved, and
-            # write to the scratch row.
-            offset = torch.clamp(inputs.num_drafts - 1, min=0).clamp(max=step)
-            positions = inputs.committed + offset
-            page = inputs.block_tables.gather(1, (positions // self.page_size)[:, None]).squeeze(1).long()
-            write_index = torch.where(
-                step < inputs.num_drafts,
-                page * self.page_size + positions % self.page_size,
-                torch.full_like(positions, self.scratch_row),
-            )
+        for step in range(passes):
             sparse = SparseQueries(
                 query_index=None, slots=inputs.slots, block_tables=inputs.block_tables, tail_starts=tail_starts,
-                positions=positions.to(torch.int32), view_width=view_width, max_keys=view_width + step + 1,
+                positions=positions_int32[step], view_width=view_width, max_keys=view_width + step + 1,
                 num_splits=num_splits,
             )
-            plan = StepPlan(write_index=write_index, position_ids=positions[None], sparse=sparse)
+            plan = StepPlan(write_index=write_index[step], position_ids=positions[step][None], sparse=sparse)
             logits = self.forward(tokens[None], plan)
             step_scores = self.processor(list(range(rows)), [], logits)
             if self.greedy:
@@ -112,6 +105,24 @@ class DraftPhase:
             drafted.append(tokens)
             scores.append(step_scores)
         return DraftOutputs(tokens=torch.stack(drafted, dim=1), scores=torch.stack(scores, dim=1))
+
+    def _pass_positions(self, inputs: DraftInputs, passes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(positions, write_index)`, each `[passes, B]` long: every pass's query positions and K/V pool rows,
+        computed in one go rather than a dozen small kernels per pass.
+
+        Passes past a request's own drafts repeat its last real position, whose pages are reserved, and write to
+        the scratch row.
+        """
+        steps = torch.arange(passes, device=inputs.committed.device)[:, None]  # [P, 1]
+        last_real = torch.clamp(inputs.num_drafts - 1, min=0)[None, :]  # [1, B]
+        positions = inputs.committed[None, :] + torch.minimum(last_real, steps)  # [P, B]
+        pages = inputs.block_tables.gather(1, (positions // self.page_size).T).T.long()  # [P, B]
+        write_index = torch.where(
+            steps < inputs.num_drafts[None, :],
+            pages * self.page_size + positions % self.page_size,
+            torch.full_like(positions, self.scratch_row),
+        )
+        return positions, write_index
 
     def noise_buffer(self, rows: int, device: torch.device) -> torch.Tensor | None:
         """An uninitialised `[draft_len, rows, V]` noise buffer, or None when drafting greedily."""
