@@ -34,6 +34,13 @@ def sample_with_noise(scores: torch.Tensor, noise: torch.Tensor) -> torch.Tensor
     return (probs / noise).argmax(dim=-1)
 
 
+def sample_proportional(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of non-negative `weights` `[R, V]` with probability proportional to them, by the
+    exponential race, which never waits for the device (`torch.multinomial` checks its input on the host)."""
+    noise = torch.empty_like(weights).exponential_(generator=generator).clamp_(min=torch.finfo(weights.dtype).tiny)
+    return (weights / noise).argmax(dim=-1)
+
+
 def speculative_accept(
     draft_tokens: torch.Tensor,
     draft_scores: torch.Tensor,
@@ -81,14 +88,16 @@ def speculative_accept(
     if greedy:
         next_tokens = target_choice[rows, num_accepted]
         return AcceptResult(num_accepted=num_accepted, next_tokens=next_tokens)
+    # Everything below is masked arithmetic rather than boolean indexing or `torch.multinomial`, which would make
+    # the host wait for the device before it could queue the next round's work.
     p_next = p[rows, num_accepted]  # [R, V]
-    rejected = num_accepted < num_drafts
+    rejected = (num_accepted < num_drafts)[:, None]  # [R, 1]
     q_next = torch.zeros_like(p_next)
-    q_next[rejected] = q[rows[rejected], num_accepted[rejected]]
+    if k > 0:  # q of the first rejected draft; rows that accepted all drafts take the bonus token from p alone
+        q_next = torch.where(rejected, q[rows, num_accepted.clamp(max=k - 1)], q_next)
     residual = torch.clamp(p_next - q_next, min=0)
     # A rejection only happens where p(d) < q(d), so some p(v) > q(v) and the residual has mass; guard against
     # rounding leaving none by falling back to p, which is then the same distribution up to that rounding.
-    empty = residual.sum(dim=-1) <= 0
-    residual[empty] = p_next[empty]
-    next_tokens = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) <= 0, p_next, residual)
+    next_tokens = sample_proportional(residual, generator)
     return AcceptResult(num_accepted=num_accepted, next_tokens=next_tokens)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from scipy.stats import chisquare
 
 from s3r_hf.draft_phase import draw_noise
-from s3r_hf.sampler import sample_from_scores, sample_with_noise, speculative_accept
+from s3r_hf.sampler import sample_from_scores, sample_proportional, sample_with_noise, speculative_accept
 
 VOCAB = 6
 
@@ -70,3 +71,50 @@ def test_exponential_race_samples_the_softmax():
     # Power: the same counts are far from a different distribution.
     other = torch.tensor([0.1, 0.35, 0.25, 0.2, 0.1])
     assert chisquare(counts[support].numpy(), (other * rows).double().numpy()).pvalue < 1e-6
+
+
+def test_sampled_rounds_without_drafts_draw_from_the_target():
+    """No drafts at all (every request on its last token): the next token is a plain draw from p."""
+    generator = torch.Generator().manual_seed(3)
+    rows = 100_000
+    p = torch.tensor([0.1, 0.0, 0.3, 0.2, 0.35, 0.05])
+    result = speculative_accept(
+        torch.zeros(rows, 0, dtype=torch.long), torch.zeros(rows, 0, VOCAB), p.log().expand(rows, 1, VOCAB),
+        torch.zeros(rows, dtype=torch.long), False, generator,
+    )
+    assert result.num_accepted.eq(0).all()
+    counts = torch.bincount(result.next_tokens, minlength=VOCAB).double()
+    support = p > 0
+    assert counts[~support].sum() == 0
+    expected = p[support].double() / p[support].double().sum() * rows
+    assert chisquare(counts[support].numpy(), expected.numpy()).pvalue > 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a CUDA device")
+def test_sampled_acceptance_queues_without_waiting_for_the_device():
+    """Acceptance runs between the verify and the next round's early draft phase; a host-device sync in it (a
+    boolean-mask index, say) would keep the host from queuing that phase until the verify has finished."""
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    rows, k = 64, 4
+    draft_scores = torch.randn(rows, k, VOCAB, device="cuda", generator=generator)
+    target_scores = torch.randn(rows, k + 1, VOCAB, device="cuda", generator=generator)
+    drafts = torch.randint(0, VOCAB, (rows, k), device="cuda", generator=generator)
+    num_drafts = torch.randint(0, k + 1, (rows,), device="cuda", generator=generator)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        speculative_accept(drafts, draft_scores, target_scores, num_drafts, False, generator)
+        speculative_accept(drafts, draft_scores, target_scores, num_drafts, True, generator)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_proportional_draws_follow_the_weights():
+    generator = torch.Generator().manual_seed(5)
+    weights = torch.tensor([0.0, 2.0, 0.5, 1.5, 0.0, 4.0])
+    draws = sample_proportional(weights.expand(200_000, VOCAB), generator)
+    counts = torch.bincount(draws, minlength=VOCAB).double()
+    support = weights > 0
+    assert counts[~support].sum() == 0
+    expected = weights[support].double() / weights.sum() * draws.numel()
+    assert chisquare(counts[support].numpy(), expected.numpy()).pvalue > 1e-3
