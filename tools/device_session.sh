@@ -9,7 +9,8 @@
 #
 # Steps (any order after `setup`; each writes logs and JSON under $OUT):
 #   setup        install the wheels (pytest, gguf, trl, ...) into /root/site-packages, assemble the GGUF
-#   tests        CUDA tests: Triton kernels, graphs, compiled layers, greedy exactness ($TESTS overrides the list)
+#   tests        CUDA tests: Triton kernels, graphs, compiled layers, greedy exactness, early launches, the sampler
+#                (its sync-debug check) ($TESTS overrides the list)
 #   gtests       the sampling G-tests on CUDA (eager, graphed, graphed + compiled; the drafter's power check)
 #   tune         graph-timed kernels at the chosen launch settings (TUNE_ARGS= for the full sweep)
 #   smol         SmolLM2-135M real-text bench, bf16, compiled layers, graphs: headline (unsynchronized) numbers
@@ -55,7 +56,7 @@ for step in "$@"; do
     ;;
   tests)
     S3R_HF_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:warnings -p no:cacheprovider -rs \
-      ${TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_compiled_layers.py tests/test_greedy_exactness.py tests/test_accept_stage.py tests/test_prelaunch.py} \
+      ${TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_compiled_layers.py tests/test_greedy_exactness.py tests/test_accept_stage.py tests/test_prelaunch.py tests/test_sampler.py} \
       2>&1 | tee "$OUT/tests.log" | tail -15
     ;;
   gtests)
