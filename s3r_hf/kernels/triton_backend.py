@@ -435,7 +435,7 @@ def _verify_scores(
     num_kv_heads, head_dim = key_pool.shape[2], key_pool.shape[3]
     group = query.shape[1] // num_kv_heads
     scores = torch.empty(num_segments, num_kv_heads, length, dtype=torch.float32, device=query.device)
-    block = min(128, max(16, 8192 // triton.next_power_of_2(head_dim)))
+    block = launch_settings(head_dim)["BLOCK_N"]  # the attention kernels' K tile
     _verify_scores_kernel[(num_segments, num_kv_heads, triton.cdiv(length, block))](
         query, key_pool, block_tables, cu_seqlens, positions, score_starts, lse, scores,
         query.stride(0), query.stride(1),
