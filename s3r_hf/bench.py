@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 from transformers.utils import logging
 
 from s3r_hf.bench_kernels import copy_bandwidth
+from s3r_hf.cache.s3r_cache import page_bytes
 from s3r_hf.config import S3RConfig
 from s3r_hf.generate import enable
 
@@ -74,10 +75,8 @@ def random_prompts(vocab: int, batch: int, seq: int) -> torch.Tensor:
 
 def floor_ms(model: PreTrainedModel, batch: int, context: int, bandwidth: float) -> float:
     """Bytes one dense decode step must read (all weights + every request's KV) over the copy bandwidth."""
-    config = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * model.dtype.itemsize
+    kv_per_token = page_bytes(model.config, 1, model.dtype)
     return (weights + batch * context * kv_per_token) / bandwidth * 1e3
 
 
