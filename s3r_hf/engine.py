@@ -81,6 +81,12 @@ class _PrelaunchedStep:
     verified: _Verified
 
 
+def _launched_rows(launched: list[Request], requests: list[Request]) -> list[int | None]:
+    """Row of each of `requests` in work launched early for `launched` (None for a request it did not cover)."""
+    index = {id(request): row for row, request in enumerate(launched)}
+    return [index.get(id(request)) for request in requests]
+
+
 class S3REngine:
     """Runs a batch of `Request`s to completion with S3R.
 
@@ -608,8 +614,7 @@ class S3REngine:
         launched, self._prelaunched = self._prelaunched, None
         if launched is None:
             return None
-        index = {id(request): row for row, request in enumerate(launched.requests)}
-        rows = [index.get(id(request)) for request in requests]
+        rows = _launched_rows(launched.requests, requests)
         covered = [row is not None and launched.draft_counts[row] == count for row, count in zip(rows, draft_counts)]
         if 2 * sum(covered) < len(requests):
             return None
@@ -641,8 +646,7 @@ class S3REngine:
         launched, self._prelaunched_step = self._prelaunched_step, None
         if launched is None:
             return None
-        index = {id(request): row for row, request in enumerate(launched.requests)}
-        rows = [index.get(id(request)) for request in requests]
+        rows = _launched_rows(launched.requests, requests)
         if None in rows:
             return None
         if rows == list(range(len(launched.requests))):
