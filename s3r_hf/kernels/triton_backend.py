@@ -151,8 +151,12 @@ def launch_settings(head_dim: int, stores_logits: bool = False) -> dict:
     warps; a verify block that stores its logits, with 128-wide heads, runs faster with two pipeline stages.
     """
     stages = 2 if stores_logits and head_dim > 64 else 3
-    block_n = min(128, max(16, 8192 // triton.next_power_of_2(head_dim)))
-    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": stages}
+    return {"BLOCK_N": _key_tile(head_dim), "num_warps": 4, "num_stages": stages}
+
+
+def _key_tile(head_dim: int) -> int:
+    """Keys per K tile: 8K elements (128 keys of a 64-wide head, 64 of a 128-wide one), 16 to 128 keys."""
+    return min(128, max(16, 8192 // triton.next_power_of_2(head_dim)))
 
 
 # Enough programs to fill the GPU several times over (132 SMs on an H100/H200).
@@ -435,7 +439,7 @@ def _verify_scores(
     num_kv_heads, head_dim = key_pool.shape[2], key_pool.shape[3]
     group = query.shape[1] // num_kv_heads
     scores = torch.empty(num_segments, num_kv_heads, length, dtype=torch.float32, device=query.device)
-    block = launch_settings(head_dim)["BLOCK_N"]  # the attention kernels' K tile
+    block = _key_tile(head_dim)  # the attention kernels' K tile (fixed while tune_kernels sweeps theirs)
     _verify_scores_kernel[(num_segments, num_kv_heads, triton.cdiv(length, block))](
         query, key_pool, block_tables, cu_seqlens, positions, score_starts, lse, scores,
         query.stride(0), query.stride(1),
