@@ -68,7 +68,7 @@ def s3r_attention_forward(
     if step.sparse is not None:
         sparse = step.sparse
         if sparse.views is None:
-            raise RuntimeError("SparseQueries.views must be gathered before the forward (S3REngine._model_logits)")
+            raise RuntimeError("SparseQueries.views must be gathered before the forward (ModelForward)")
         sparse_out, _ = backend.paged_sparse_attention(
             _rows(packed, sparse.query_index), pools.keys, pools.values, sparse.block_tables, sparse.views[layer_idx],
             sparse.view_lens,

@@ -27,10 +27,15 @@ from s3r_hf.generate import enable
 
 
 def kernel_totals(prof) -> dict[str, list[float]]:
-    """Launches and device µs per CUDA kernel name (kernels replayed inside CUDA graphs included)."""
+    """Launches and device µs per CUDA kernel name (kernels replayed inside CUDA graphs included) from the first
+    decode round on: prefill kernels are left out even where the profiler keeps only some of a long prefill's."""
+    events = prof.events()
+    rounds = [event.time_range.start for event in events if event.name == "s3r_hf.decode_round"]
+    decode_start = min(rounds, default=float("inf"))
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
+    for event in events:
+        if (event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0
+                and event.time_range.start >= decode_start):
             totals[event.name][0] += 1
             totals[event.name][1] += event.device_time_total
     return totals
@@ -101,7 +106,8 @@ def main() -> None:
                                s3r_forced_acceptance=acceptance, **common).s3r_stats
         wall_ms = (stats.decode_seconds - stats.graph_capture_seconds) * 1e3 / max(stats.steps, 1)
         totals, steps, committed = [], [], []
-        # Two calls that differ only in decode steps: their difference leaves out prefill and graph captures.
+        # Two calls that differ only in decode steps: their difference leaves out the graph captures (each call's
+        # engine captures its own).
         for max_new_tokens in (16, args.max_new_tokens):
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 out = model.generate(input_ids, max_new_tokens=max_new_tokens, s3r_mode=mode,

@@ -1,0 +1,45 @@
+"""A `generate` call hands its KV pool back when it returns, without waiting for Python's cycle collector.
+
+RL loops call `generate` once per training step, and the next call sizes its pool from the free device memory
+(`S3RConfig.kv_memory_fraction`): a pool kept alive by a reference cycle until the collector happens to run would
+shrink the next call's pool, or leave it no room at all.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from s3r_hf import S3RConfig, enable
+from s3r_hf.cache import s3r_cache
+from tests.conftest import left_padded_batch, tiny_model
+
+
+@pytest.mark.parametrize("mode", ["s3r", "ar"])
+def test_the_kv_pool_is_freed_when_generate_returns(mode, monkeypatch):
+    pools: list[weakref.ref] = []
+    original_init = s3r_cache.S3RCache.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        pools.append(weakref.ref(self))
+
+    monkeypatch.setattr(s3r_cache.S3RCache, "__init__", recording_init)
+    model = enable(tiny_model())
+    input_ids, attention_mask = left_padded_batch([9, 14], seed=3)
+    gc.collect()
+    gc.disable()  # only reference counting may free the pool
+    try:
+        out = model.generate(
+            input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+            eos_token_id=None, s3r_config=S3RConfig(budget_ratio=0.5, min_budget=4), s3r_mode=mode,
+        )
+        assert len(pools) == 1
+        assert pools[0]() is None, "the engine's cache outlived the generate call (a reference cycle holds it)"
+    finally:
+        gc.enable()
+    assert out.shape == (2, input_ids.shape[1] + 12)
+    assert torch.all(out[:, : input_ids.shape[1]] == input_ids)
