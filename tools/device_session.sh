@@ -26,6 +26,8 @@
 #                QWEN_ACCEPT (default 0.93: 78% of drafts accepted, the paper's Qwen3-1.7B point at s=0.05 and
 #                SmolLM2's on real text; sessions up to the seventh used 0.8, 49%)
 #   qwen-queue   the same with 192 requests run 64 at a time (no straggler tail)
+#   points       issue 3's Qwen3-1.7B grid ((16, 4K), (16, 16K), (64, 8K), (32, 16K)): attention kernels
+#                graph-timed against their floors, then engine AR and S3R at B=16/32 x S=4K/16K
 #   grpo         GRPO rollouts, S3R vs TRL generation (needs .whl/big carried in that call)
 set -uo pipefail
 # Wheels go to a folder named site-packages: dill (through datasets) pickles modules found elsewhere by value.
@@ -98,6 +100,14 @@ for step in "$@"; do
     timeout 290 python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 64 --seq ${QWEN_SEQ:-8192} --max-new-tokens 160 \
       --acceptance ${QWEN_ACCEPT:-0.93} --skip-generate --cuda-graphs --compile-layers ${QWEN_EXTRA:-} --json "$OUT/qwen.json" 2>&1 \
       | tee "$OUT/qwen.log" | grep -v -i warn | tail -20
+    ;;
+  points)  # issue 3's Qwen3-1.7B grid: kernels graph-timed, then engine AR and S3R (forced acceptance) at B=16/32
+    timeout 150 python3 tools/tune_kernels.py --chosen-only --json "$OUT/points_kernels.json" \
+      --points qwen3-1.7b:16:4096,qwen3-1.7b:16:16384,qwen3-1.7b:64:8192,qwen3-1.7b:32:16384 2>&1 \
+      | tee "$OUT/points_kernels.log" | grep -v -i warn | tail -20
+    timeout 400 python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 16,32 --seq 4096,16384 --max-new-tokens 128 \
+      --acceptance ${QWEN_ACCEPT:-0.93} --skip-generate --cuda-graphs --compile-layers --json "$OUT/points.json" 2>&1 \
+      | tee "$OUT/points.log" | grep -v -i warn | tail -30
     ;;
   qwen-queue)
     timeout 290 python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 64 --requests 192 --seq ${QWEN_SEQ:-8192} \

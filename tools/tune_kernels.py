@@ -1,14 +1,14 @@
 """Time launch settings of the Triton attention kernels at the benchmark shapes (GPU only).
 
-    python tools/tune_kernels.py [--json PATH] [--chosen-only]
+    python tools/tune_kernels.py [--json PATH] [--chosen-only] [--points shape:B:S,...]
 
 For the SmolLM2-135M shape (9 query heads, 3 KV heads, head dim 64) at B=64, S=4K and 7.7K, and the
-Qwen3-1.7B shape (16/8 heads, head dim 128) at B=64, S=8K, it times one layer of dense decode, the scored verify
-block (7 queries per request, the score reduction included), the same block unscored, and sparse decode over a 5%
-index view, for every combination of key splits and launch settings (`triton_backend.launch_settings` chooses
-one; `--chosen-only` times just that one), each replayed from a CUDA graph as the engine runs it. Each variant's
-output is compared with the chosen setting's, so a setting that changes results shows up. The floor is the K/V
-bytes the kernel must read at the measured copy bandwidth.
+Qwen3-1.7B shape (16/8 heads, head dim 128) at B=64, S=8K (or the `--points` given), it times one layer of dense
+decode, the scored verify block (7 queries per request, the score reduction included), the same block unscored,
+and sparse decode over a 5% index view, for every combination of key splits and launch settings
+(`triton_backend.launch_settings` chooses one; `--chosen-only` times just that one), each replayed from a CUDA
+graph as the engine runs it. Each variant's output is compared with the chosen setting's, so a setting that
+changes results shows up. The floor is the K/V bytes the kernel must read at the measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -127,18 +127,33 @@ def tune_point(
     return results
 
 
+def _points(text: str) -> list[tuple[str, int, int]]:
+    """`shape:B:S,...` as `(shape, B, S)` tuples."""
+    points = []
+    for item in text.split(","):
+        name, batch, seq = item.split(":")
+        if name not in SHAPES:
+            raise argparse.ArgumentTypeError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+        points.append((name, int(batch), int(seq)))
+    return points
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
     parser.add_argument("--chosen-only", action="store_true",
                         help="time only the settings launch_settings chooses (every split count), not the sweep")
+    parser.add_argument("--points", type=_points, default=POINTS,
+                        help="shape:B:S,... (shapes: " + ", ".join(SHAPES) + "); default: the engine benchmarks' "
+                        "points. The issue's Qwen3-1.7B grid: qwen3-1.7b:16:4096,qwen3-1.7b:16:16384,"
+                        "qwen3-1.7b:64:8192,qwen3-1.7b:32:16384")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_kernels needs a CUDA GPU")
     generator = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9, "points": []}
-    for name, batch, seq in POINTS:
+    for name, batch, seq in args.points:
         results["points"].append(tune_point(name, batch, seq, bandwidth, generator, args.chosen_only))
         torch.cuda.empty_cache()
     if args.json:
