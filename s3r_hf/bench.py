@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import time
 from pathlib import Path
@@ -173,13 +174,14 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
     ar = time_engine(model, input_ids, args.max_new_tokens, base, "ar", None, args.stages)
     point["engine_ar"] = {k: v for k, v in ar.items() if k != "sequences"}
     point["s3r"] = {}
-    for ratio in args.budget:
-        config = S3RConfig(**{**base.to_dict(), "budget_ratio": ratio})
+    for ratio, interval in itertools.product(args.budget, args.refresh_interval):
+        config = S3RConfig(**{**base.to_dict(), "budget_ratio": ratio, "refresh_interval": interval})
         _release_memory(device)
         s3r = time_engine(model, input_ids, args.max_new_tokens, config, "s3r", args.acceptance, args.stages)
         if args.acceptance is None:  # exact runs: greedy S3R must reproduce greedy AR
             s3r.update(greedy_agreement(s3r["sequences"], ar["sequences"], input_ids.shape[1]))
-        point["s3r"][str(ratio)] = {k: v for k, v in s3r.items() if k != "sequences"}
+        key = str(ratio) if interval == 1 else f"{ratio} r{interval}"  # r2: views refreshed every second round
+        point["s3r"][key] = {k: v for k, v in s3r.items() if k != "sequences"}
     if not args.skip_generate:  # the engine's numbers stand even if model.generate runs out of memory
         _release_memory(device)
         try:
@@ -260,6 +262,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", default="1024", help="comma-separated prompt lengths")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--budget", default="0.05", help="comma-separated budget ratios (a sweep)")
+    parser.add_argument("--refresh-interval", default="1",
+                        help="comma-separated S3RConfig.refresh_interval values (a sweep; rows 's r2' for 2)")
     parser.add_argument("--draft-len", type=int, default=6)
     parser.add_argument("--min-budget", type=int, default=192)
     parser.add_argument("--prefill-chunk", type=int, default=8192)
@@ -287,6 +291,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def bench_from_args(args: argparse.Namespace) -> list[dict]:
     args.budget = [float(v) for v in args.budget.split(",")]
+    args.refresh_interval = [int(v) for v in str(args.refresh_interval).split(",")]
     dtype = getattr(torch, args.dtype)
     bandwidth = copy_bandwidth() if args.device.startswith("cuda") else float("nan")
     points = []

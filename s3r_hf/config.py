@@ -23,6 +23,11 @@ class S3RConfig:
             Fraction `s` of a request's committed context that each (layer, KV head) index view keeps.
         min_budget (`int`, defaults to 192):
             Lower bound `K_min` on the index-view size; a context shorter than this is drafted densely.
+        refresh_interval (`int`, defaults to 1):
+            Rounds between index-view refreshes. A refresh selects each view's top-K anew from the verify's attention
+            scores (the paper does so every round); in the rounds between, the verify computes no scores and the
+            views only gain the newly committed tokens. Larger values save the score material and the top-K
+            selection at some cost in acceptance; the samples are exact for any value.
         page_size (`int`, defaults to 16):
             Tokens per KV page.
         num_pages (`int`, *optional*):
@@ -63,6 +68,7 @@ class S3RConfig:
     draft_len: int = 6
     budget_ratio: float = 0.05
     min_budget: int = 192
+    refresh_interval: int = 1
     page_size: int = 16
     num_pages: int | None = None
     kv_memory_fraction: float = 0.8
@@ -87,6 +93,7 @@ class S3RConfig:
         _check_int(self, "draft_len", low=1, high=64)
         _check_float(self, "budget_ratio", low=0.0, high=1.0, low_open=True)
         _check_int(self, "min_budget", low=1)
+        _check_int(self, "refresh_interval", low=1)
         _check_int(self, "page_size", low=1, high=1024)
         if self.num_pages is not None:
             _check_int(self, "num_pages", low=1)

@@ -6,8 +6,9 @@ requests, so each (kind, batch bucket) is captured once and replayed: the step's
 graph's static buffers, padding rows write their K/V to the cache's scratch page and read the padding
 index-view row (length 0), and the kernels run on a fixed grid. A verify step holds up to `draft_len + 1`
 tokens per request; its unused token slots form one extra padding segment, and its verify-score scratch is
-sized for the longest context of the call. The draft phase of a round (all its draft passes, sampling included,
-see `draft_phase.py`) is one graph.
+sized for the longest context of the call. Rounds that do not refresh the index views
+(`S3RConfig.refresh_interval`) verify without scores, as kind `"block"`. The draft phase of a round (all its
+draft passes, sampling included, see `draft_phase.py`) is one graph.
 
 Buckets: a step replays the smallest bucket already captured that holds its rows, unless that bucket is more
 than `REUSE_FACTOR` times the bucket the rows would need (then the smaller one is captured). Padding rows cost
@@ -30,6 +31,8 @@ from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 REUSE_FACTOR = 4
+# Kinds whose steps pack several queries per request as segments (their buckets count requests, not tokens).
+_BLOCK_KINDS = ("verify", "block")
 
 
 @dataclass
@@ -73,7 +76,8 @@ class DecodeGraphs:
     @staticmethod
     def kind(plan: StepPlan, draft_len: int | None = None) -> str | None:
         """`"sparse"` (draft steps), `"dense"` (single-query unscored steps), `"verify"` (scored blocks of at
-        most `draft_len + 1` queries), or `None` for steps that run eagerly (prefill chunks, mixed steps)."""
+        most `draft_len + 1` queries per request), `"block"` (the same unscored), or `None` for steps that run
+        eagerly (prefill chunks, mixed steps)."""
         if plan.sparse is not None and plan.dense is None and plan.sparse.query_index is None:
             return "sparse"
         dense = plan.dense
@@ -81,13 +85,13 @@ class DecodeGraphs:
             return None
         if dense.score_starts is None and dense.max_query_len == 1:
             return "dense"
-        if dense.score_starts is not None and draft_len is not None and dense.max_query_len <= draft_len + 1:
-            return "verify"
+        if draft_len is not None and dense.max_query_len <= draft_len + 1:
+            return "verify" if dense.score_starts is not None else "block"
         return None
 
     def supports(self, plan: StepPlan, num_tokens: int) -> bool:
         kind = self.kind(plan, self.draft_len)
-        segments = num_tokens if kind != "verify" else plan.dense.cu_seqlens.shape[0] - 1
+        segments = num_tokens if kind not in _BLOCK_KINDS else plan.dense.cu_seqlens.shape[0] - 1
         return kind is not None and segments <= BUCKETS[-1]
 
     @staticmethod
@@ -102,18 +106,18 @@ class DecodeGraphs:
         """
         kind = self.kind(plan, self.draft_len)
         count = input_ids.shape[0]
-        segments = count if kind != "verify" else plan.dense.cu_seqlens.shape[0] - 1
+        segments = count if kind not in _BLOCK_KINDS else plan.dense.cu_seqlens.shape[0] - 1
         capacity = self.cache.index_views.capacity if kind == "sparse" else 0
         key = self._key(kind, max(segments, bucket_floor), capacity)
         step = self.steps.get(key)
         if step is None:
             self._drop_stale(kind, key)
             step = self._static_step(kind, key[1])
-            self._fill(step, input_ids, plan, count)
+            self._fill(kind, step, input_ids, plan, count)
             step.graph, step.logits = self._capture(lambda: self.forward(step.input_ids, step.plan))
             self.steps[key] = step
         else:
-            self._fill(step, input_ids, plan, count)
+            self._fill(kind, step, input_ids, plan, count)
         step.graph.replay()
         self.replays += 1
         if kind == "verify":  # the real segments' verify scores (graph buffers, valid until the next replay)
@@ -196,15 +200,17 @@ class DecodeGraphs:
                 block_tables=block_tables, score_starts=None, history_lens=torch.zeros(bucket, **long),
                 num_candidates=0, max_query_len=1, max_context=self.max_context, num_splits=None,
             )
-        elif kind == "verify":
+        elif kind in _BLOCK_KINDS:
             tokens = bucket * (self.draft_len + 1)
+            scored = kind == "verify"
             plan = StepPlan(write_index=torch.zeros(tokens, **long), position_ids=torch.zeros(1, tokens, **long))
             plan.dense = DenseSegments(
                 query_index=None, cu_seqlens=torch.zeros(bucket + 2, **int32),
                 positions=torch.zeros(tokens, **int32), block_tables=torch.zeros(bucket + 1, self.max_pages, **int32),
-                score_starts=torch.zeros(bucket + 1, **int32), history_lens=torch.zeros(bucket + 1, **long),
-                num_candidates=self.max_candidates, max_query_len=self.draft_len + 1, max_context=self.max_context,
-                max_scored_queries=self.draft_len + 1, num_splits=None,
+                score_starts=torch.zeros(bucket + 1, **int32) if scored else None,
+                history_lens=torch.zeros(bucket + 1, **long), num_candidates=self.max_candidates if scored else 0,
+                max_query_len=self.draft_len + 1, max_context=self.max_context,
+                max_scored_queries=self.draft_len + 1 if scored else 0, num_splits=None,
             )
             return _CapturedStep(graph=None, plan=plan, input_ids=torch.zeros(1, tokens, **long))
         else:
@@ -216,7 +222,7 @@ class DecodeGraphs:
             )
         return _CapturedStep(graph=None, plan=plan, input_ids=torch.zeros(1, bucket, **long))
 
-    def _fill(self, step: _CapturedStep, input_ids: torch.Tensor, plan: StepPlan, count: int) -> None:
+    def _fill(self, kind: str, step: _CapturedStep, input_ids: torch.Tensor, plan: StepPlan, count: int) -> None:
         """Copy the step's metadata into the static buffers; rows past `count` become harmless padding."""
         static = step.plan
         scratch_row = self.cache.scratch_page * self.cache.page_size
@@ -233,12 +239,13 @@ class DecodeGraphs:
         target.block_tables.zero_()
         rows = source.block_tables.shape[0]
         target.block_tables[:rows, : source.block_tables.shape[1]].copy_(source.block_tables)
-        if static.dense is not None and static.dense.score_starts is not None:
+        if kind in _BLOCK_KINDS:
             # Real segments first; all unused token slots form one padding segment; later segments are empty.
             target.cu_seqlens[: rows + 1].copy_(source.cu_seqlens)
             target.cu_seqlens[rows + 1 :].fill_(static.write_index.shape[0])
-            target.score_starts[:rows].copy_(source.score_starts)
-            target.score_starts[rows:].fill_(-1)
+            if kind == "verify":
+                target.score_starts[:rows].copy_(source.score_starts)
+                target.score_starts[rows:].fill_(-1)
             target.history_lens[:rows].copy_(source.history_lens)
             target.history_lens[rows:].zero_()
         if static.sparse is not None:

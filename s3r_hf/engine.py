@@ -140,6 +140,7 @@ class S3REngine:
         self._prelaunched: _PrelaunchedDrafts | None = None
         self._prelaunched_step: _PrelaunchedStep | None = None  # engine AR's counterpart
         self._may_prelaunch = False
+        self._rounds_since_refresh = 0  # rounds whose views were only extended (`S3RConfig.refresh_interval`)
         self._captured_before_stage = 0.0  # capture seconds already counted when the current stage began
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         # The round's draft passes run as one device-side program unless a logits processor reads the history
@@ -159,10 +160,10 @@ class S3REngine:
         if self.config.cuda_graphs and self.device.type == "cuda" and requests:
             longest = max(r.peak_kv_tokens(self.config.draft_len) for r in requests)
             max_pages = self.cache.pages_for(longest)
-            max_view = self.config.budget(max_pages * self.cache.page_size)
-            self.graphs = DecodeGraphs(self.cache, self._model_logits, max_pages, self.config.draft_len, max_view)
+            max_budget = self.config.budget(max_pages * self.cache.page_size)
+            self.graphs = DecodeGraphs(self.cache, self._model_logits, max_pages, self.config.draft_len, max_budget)
             # Index views at their largest from the start: growing them would invalidate the draft graphs.
-            self.cache.index_views.ensure_capacity(max_view)
+            self.cache.index_views.ensure_capacity(max_budget + self._extension_slack())
         waiting = deque(requests)
         running: list[Request] = []
         paused: deque[Request] = deque()
@@ -432,6 +433,7 @@ class S3REngine:
             started = self._clock()
             self._captured_before_stage = self._capture_seconds()
         draft_counts = [self._draft_count(r) for r in requests]
+        refresh = self._rounds_since_refresh + 1 >= self.config.refresh_interval
         prelaunched = self._take_prelaunched(requests, draft_counts)
         if prelaunched is not None:  # drafted while the host read and committed the previous round
             draft_counts, tables, draft_tokens, draft_scores = prelaunched
@@ -443,7 +445,7 @@ class S3REngine:
         started = self._stage_done("draft", started)
         verified = self._take_prelaunched_step(requests)
         if verified is None:
-            verified = self._verify(requests, draft_counts, draft_tokens, tables)
+            verified = self._verify(requests, draft_counts, draft_tokens, tables, scored=refresh)
         plan, logits, block_starts, target_scores = verified
         started = self._stage_done("verify", started)
         num_drafts = self._tensor(draft_counts)
@@ -469,7 +471,12 @@ class S3REngine:
             committed, remaining = self._tensor([[r.committed for r in requests], [r.remaining for r in requests]])
             contexts = committed + num_accepted + 1  # K/V of the pending token and the accepted drafts are valid
             # Views of requests that finish this round are rebuilt too (harmless: their slots are released after it).
-            self._rebuild_views(plan, list(range(len(requests))), requests, contexts, plan.dense.num_candidates)
+            if refresh:
+                self._rebuild_views(plan, list(range(len(requests))), requests, contexts, plan.dense.num_candidates)
+                next_view_width = plan.dense.num_candidates
+            else:
+                next_view_width = self._extend_views(requests, committed, contexts, max_drafts + 1)
+            self._rounds_since_refresh = 0 if refresh else self._rounds_since_refresh + 1
         logprobs = None
         if self.config.return_logprobs:  # queued before an early draft phase overwrites the draft buffers
             # Token committed at each block offset: the accepted drafts, then the correction/bonus token.
@@ -479,7 +486,7 @@ class S3REngine:
             logprobs = self._logprobs(target_scores, proposed)
         if self._may_prelaunch and self.draft_phase is not None:
             left = remaining - (num_accepted + 1)
-            self._prelaunch(requests, draft_counts, next_tokens, contexts, left, plan.dense.num_candidates)
+            self._prelaunch(requests, draft_counts, next_tokens, contexts, left, next_view_width)
         if self._may_prelaunch and self.mode == "ar" and self.sampling.logits_processor.history_free:
             self._prelaunch_dense_step(requests, next_tokens, draft_tokens)
         started = self._stage_done("refresh", started)
@@ -495,8 +502,10 @@ class S3REngine:
             request.committed += accepted + 1
             # Pages past the new length stay reserved: an early draft phase may be writing into them.
             self.cache.set_length(request.slot, request.committed, release_pages=False)
-            if self.mode != "ar":
+            if self.mode != "ar" and refresh:
                 request.view_len = self.config.budget(request.committed)
+            elif self.mode != "ar":
+                request.view_len += accepted + 1
         logprobs = logprobs.tolist() if logprobs is not None else None
         # Scores, logits and stopping criteria are read token by token; without them a row's block is committed
         # in one go, which at B=64 saves a few hundred Python calls per round while the device waits.
@@ -714,11 +723,14 @@ class S3REngine:
         tables: torch.Tensor,
         committed: list[int] | None = None,
         pending: torch.Tensor | None = None,
+        scored: bool = True,
     ) -> _Verified:
         """Dense forward over `[pending, d_1..d_k]` of every request; overwrites the drafts' provisional K/V.
 
-        `committed` lengths and `pending` tokens (a device tensor) default to the requests' own.
+        `committed` lengths and `pending` tokens (a device tensor) default to the requests' own. With `scored`
+        (and outside engine AR) each layer also leaves the attention scores an index-view refresh selects from.
         """
+        scored = scored and self.mode != "ar"
         committed = committed if committed is not None else [r.committed for r in requests]
         pending = pending if pending is not None else self._tensor([r.pending for r in requests])
         write, positions, cu, history, block_rows, block_offsets = [], [], [0], [], [], []
@@ -732,18 +744,18 @@ class S3REngine:
         # `[pending, d_1..d_k]` of every request, gathered on the device.
         blocks = torch.cat([pending[:, None], draft_tokens], dim=1)
         tokens = blocks[self._tensor(block_rows), self._tensor(block_offsets)]
-        num_candidates = max(self.config.budget(c + k + 1) for c, k in zip(committed, draft_counts))
+        num_candidates = max(self.config.budget(c + k + 1) for c, k in zip(committed, draft_counts)) if scored else 0
         dense = DenseSegments(
             query_index=None,
             cu_seqlens=self._int32(cu),
             positions=self._int32(positions),
             block_tables=tables,
-            score_starts=None if self.mode == "ar" else self._int32([0] * len(requests)),
+            score_starts=self._int32([0] * len(requests)) if scored else None,
             history_lens=self._tensor(history),
             num_candidates=num_candidates,
             max_query_len=max(draft_counts) + 1,
             max_context=max(c + k + 1 for c, k in zip(committed, draft_counts)),
-            max_scored_queries=max(draft_counts) + 1,
+            max_scored_queries=max(draft_counts) + 1 if scored else 0,
         )
         plan = StepPlan(write_index=self._tensor(write), position_ids=dense.positions.long()[None], dense=dense)
         logits = self._forward(tokens, plan)
@@ -830,6 +842,21 @@ class S3REngine:
             request.view_len = self.config.budget(context)
         width = max(r.view_len for r in requests)
         self._rebuild_views(plan, segments, requests, self._tensor(contexts), width)
+
+    def _extension_slack(self) -> int:
+        """How far views may outgrow their budget: each round between refreshes adds up to `draft_len + 1`."""
+        return (self.config.refresh_interval - 1) * (self.config.draft_len + 1)
+
+    def _extend_views(
+        self, requests: list[Request], committed: torch.Tensor, contexts: torch.Tensor, max_new: int
+    ) -> int:
+        """Queue the append of the round's committed positions `[committed, contexts)` (device tensors) to the
+        requests' views, for a round without a refresh; returns a host bound on the new view lengths."""
+        width = max(r.view_len for r in requests) + max_new
+        self.cache.index_views.ensure_capacity(width)
+        slots = self._tensor([r.slot for r in requests])
+        self.cache.index_views.extend(slots, committed, contexts, max_new)
+        return width
 
     def _rebuild_views(
         self, plan: StepPlan, segments: list[int], requests: list[Request], contexts: torch.Tensor, width: int

@@ -14,13 +14,13 @@ def test_bench_runs_and_greedy_s3r_matches_ar(tmp_path, capsys):
     json_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
     main([
         "bench", "--model", "qwen3-tiny", "--batch", "3", "--seq", "40,64", "--max-new-tokens", "12",
-        "--budget", "0.1,0.5", "--min-budget", "4", "--draft-len", "3", "--dtype", "float32", "--device", "cpu",
-        "--stages", "--json", str(json_path), "--plot", str(plot_path),
+        "--budget", "0.1,0.5", "--refresh-interval", "1,2", "--min-budget", "4", "--draft-len", "3",
+        "--dtype", "float32", "--device", "cpu", "--stages", "--json", str(json_path), "--plot", str(plot_path),
     ])
     result = json.loads(json_path.read_text())
     assert [(p["batch"], p["seq"]) for p in result["points"]] == [(3, 40), (3, 64)]
     for point in result["points"]:
-        assert set(point["s3r"]) == {"0.1", "0.5"}
+        assert set(point["s3r"]) == {"0.1", "0.1 r2", "0.5", "0.5 r2"}
         for run in point["s3r"].values():
             assert run["greedy_matches_ar"] is True
             assert set(run["stage_ms_per_step"]) == {"draft", "verify", "accept", "refresh", "commit"}

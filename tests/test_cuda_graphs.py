@@ -28,7 +28,9 @@ def test_which_steps_are_graphed():
     assert DecodeGraphs.kind(plan(dense=_dense(1, scored=False))) == "dense"
     assert DecodeGraphs.kind(plan(dense=_dense(7, scored=True)), draft_len=6) == "verify"
     assert DecodeGraphs.kind(plan(dense=_dense(8, scored=True)), draft_len=6) is None  # longer than a block
-    assert DecodeGraphs.kind(plan(dense=_dense(7, scored=False)), draft_len=6) is None  # prefill chunks: eager
+    # Verify blocks of rounds that keep their index views (`refresh_interval` > 1) are not scored.
+    assert DecodeGraphs.kind(plan(dense=_dense(7, scored=False)), draft_len=6) == "block"
+    assert DecodeGraphs.kind(plan(dense=_dense(8, scored=False)), draft_len=6) is None
     assert DecodeGraphs.kind(plan(dense=_dense(1, scored=False), sparse=sparse)) is None  # mixed steps: eager
 
 

@@ -88,7 +88,10 @@ def setup():
     return model, sampler, prompt
 
 
-def _sample(model, prompt, sampling: dict, samples: int, seed: int, unverified: bool = False, graphs: str = "eager"):
+def _sample(
+    model, prompt, sampling: dict, samples: int, seed: int, unverified: bool = False, graphs: str = "eager",
+    refresh_interval: int = 1,
+):
     """`samples` continuations drawn in chunks of `CHUNK` rows; returns (sequences, drafted, accepted, per-position)."""
     prompt = prompt.to(model.device)
     sequences, drafted, accepted = [], 0, 0
@@ -102,7 +105,7 @@ def _sample(model, prompt, sampling: dict, samples: int, seed: int, unverified: 
             max_new_tokens=NEW_TOKENS,
             num_return_sequences=rows,
             return_dict_in_generate=True,
-            s3r_config=S3RConfig(**S3R, seed=seed + chunk, **RUNTIMES[graphs]),
+            s3r_config=S3RConfig(**S3R, seed=seed + chunk, refresh_interval=refresh_interval, **RUNTIMES[graphs]),
             s3r_mode="unverified" if unverified else "s3r",
             **sampling,
         )
@@ -137,7 +140,10 @@ def _describe(results, counts, probs) -> str:
 
 @pytest.mark.parametrize("graphs", GRAPHS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_s3r_samples_follow_exact_dense_distribution(setup, case, graphs):
+# refresh_interval 2: the first round verifies without scores and extends the prefill's index views with its
+# tokens instead of refreshing them; a second round drafts over those extended views.
+@pytest.mark.parametrize("refresh_interval", [1, 2])
+def test_s3r_samples_follow_exact_dense_distribution(setup, case, graphs, refresh_interval):
     model, sampler, prompt = setup
     sampling = CASES[case]
     probs, top_p_margin = exact_continuation_distribution(model, prompt, NEW_TOKENS, sampling_warpers(**sampling))
@@ -146,14 +152,15 @@ def test_s3r_samples_follow_exact_dense_distribution(setup, case, graphs):
     assert top_p_margin > 1e-5, f"a top-p cutoff is within {top_p_margin:.2g} of its threshold; change the seed"
 
     sequences, drafted, accepted, position_drafted, position_accepted = _sample(
-        sampler, prompt, sampling, S3R_SAMPLES, seed=1, graphs=graphs
+        sampler, prompt, sampling, S3R_SAMPLES, seed=1, graphs=graphs, refresh_interval=refresh_interval
     )
     assert sequences.shape == (S3R_SAMPLES, PROMPT_LEN + NEW_TOKENS)
     assert torch.equal(sequences[:, :PROMPT_LEN], prompt.expand(S3R_SAMPLES, -1))
     results, counts = _tests(sequences, probs)
     message = _describe(results, counts, probs)
     print(
-        f"\n[{case}, {DEVICE.type}, {graphs}] S3R acceptance {accepted}/{drafted} = {accepted / drafted:.3f}, "
+        f"\n[{case}, {DEVICE.type}, {graphs}, refresh every {refresh_interval}] "
+        f"S3R acceptance {accepted}/{drafted} = {accepted / drafted:.3f}, "
         f"per position "
         f"{[f'{a}/{d}' for a, d in zip(position_accepted, position_drafted)]}\n{message}"
     )

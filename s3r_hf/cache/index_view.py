@@ -89,6 +89,30 @@ class SparseIndexViews:
         if layer in (None, 0):
             self.lengths[slots.long()] = budgets.to(torch.int32)
 
+    def extend(
+        self, slots: torch.Tensor, old_context_lens: torch.Tensor, context_lens: torch.Tensor, max_new: int
+    ) -> None:
+        """Append the positions `[old_context_lens, context_lens)` to every layer's and KV head's views of `slots`:
+        a round without a refresh (`S3RConfig.refresh_interval`), whose committed tokens join the recent window.
+
+        A view holds positions below the old committed length only, so the appended ones keep it sorted. All
+        `max_new` columns past each view's length are written (those past the new length are stale by contract),
+        so nothing is read back to the host; the capacity must hold `length + max_new`.
+        """
+        if max_new <= 0 or slots.numel() == 0:
+            return
+        device = self.device
+        slots = slots.to(device).long()
+        old_context_lens, context_lens = old_context_lens.to(device).long(), context_lens.to(device).long()
+        lengths = self.lengths[slots].long()  # [S]
+        offsets = torch.arange(max_new, device=device)
+        columns = lengths[:, None] + offsets[None, :]  # [S, max_new]
+        values = (old_context_lens[:, None] + offsets[None, :]).to(torch.int32)
+        shape = (self.num_layers, slots.numel(), self.num_kv_heads, max_new)
+        self.positions[:, slots[:, None, None], torch.arange(self.num_kv_heads, device=device)[None, :, None],
+                       columns[:, None, :]] = values[None, :, None, :].expand(shape)
+        self.lengths[slots] = (lengths + context_lens - old_context_lens).to(torch.int32)
+
     def set_full(self, slots: torch.Tensor, context_lens: torch.Tensor) -> None:
         """Views covering the whole context (used when the budget is the whole context)."""
         width = int(context_lens.max()) if context_lens.numel() else 0
