@@ -808,7 +808,7 @@ class S3REngine:
             request.raw_logits.append(logits[logits_row].detach().clone())
         if logprob is not None:
             request.logprobs.append(logprob)
-        stop = token in self.sampling.eos_token_ids or request.remaining <= 0
+        stop = self._reached_end(request, token)
         if not stop and len(self.sampling.stopping_criteria) > 0:
             history = request.history[None].to(token_scores.device)
             stop = bool(self.sampling.stopping_criteria(history, token_scores[None]).any())
@@ -829,9 +829,13 @@ class S3REngine:
         request.pending = block[-1]
         if logprobs is not None:
             request.logprobs.extend(logprobs[: len(block)])
-        if block[-1] in eos_token_ids or request.remaining <= 0:
+        if self._reached_end(request, block[-1]):
             request.status = RequestStatus.FINISHED
         return len(block)
+
+    def _reached_end(self, request: Request, last_token: int) -> bool:
+        """The stop rule both commit paths share: EOS was committed, or `max_new_tokens` is used up."""
+        return last_token in self.sampling.eos_token_ids or request.remaining <= 0
 
     def refresh_views(self, plan: StepPlan, segments: list[int], requests: list[Request], contexts: list[int]):
         """New index views `R ∪ TopK` from the scores the dense forward recorded (DESIGN §4 step 4), for requests
