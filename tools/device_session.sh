@@ -25,7 +25,8 @@
 #   qwen         Qwen3-1.7B shape, random weights, forced acceptance (NOT exact), engine AR and S3R cost;
 #                QWEN_ACCEPT (default 0.93: 78% of drafts accepted, the paper's Qwen3-1.7B point at s=0.05 and
 #                SmolLM2's on real text; sessions up to the seventh used 0.8, 49%)
-#   qwen-queue   the same with 192 requests run 64 at a time (no straggler tail)
+#   qwen-queue   the same with 192 requests run 64 at a time (no straggler tail); QWEN_EXTRA="--refresh-interval 1,2"
+#                also times S3RConfig.refresh_interval=2 (SMOL_EXTRA likewise for the SmolLM2 steps)
 #   points       issue 3's Qwen3-1.7B grid ((16, 4K), (16, 16K), (64, 8K), (32, 16K)): attention kernels
 #                graph-timed against their floors, then engine AR and S3R at B=16/32 x S=4K/16K
 #   grpo         GRPO rollouts, S3R vs TRL generation (needs .whl/big carried in that call)
