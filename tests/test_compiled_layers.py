@@ -79,3 +79,22 @@ def test_merge_identical_gemms_keeps_one_of_each():
     assert (before, after) == (3, 1)
     x, w = torch.randn(3, 4), torch.randn(6, 4)
     torch.testing.assert_close(aten_graph(x, w), three_projections(x, w))
+
+
+def test_compiled_layers_follow_weight_updates_between_calls():
+    """An RL loop updates the weights between rollouts: the compiled layers (and the fused Q/K/V and gate/up weight
+    copies) must decode with the new weights, not the ones they were compiled or copied with."""
+    model = s3r_hf.enable(tiny_model("qwen3", seed=35, num_hidden_layers=2).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([7, 12, 20], seed=36))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=16)
+    config = S3RConfig(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, compile_layers=True,
+                       cuda_graphs=DEVICE.type == "cuda")
+    before = model.generate(input_ids, s3r_config=config, **kwargs)
+    assert torch.equal(before, model.generate(input_ids, **kwargs))
+    generator = torch.Generator().manual_seed(37)
+    with torch.no_grad():  # what an optimizer step does: the same parameter tensors, new values
+        for parameter in model.parameters():
+            parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator).to(parameter))
+    dense = model.generate(input_ids, **kwargs)
+    assert not torch.equal(dense, before), "the update must change the greedy continuations"
+    assert torch.equal(model.generate(input_ids, s3r_config=config, **kwargs), dense)
