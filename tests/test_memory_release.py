@@ -17,9 +17,13 @@ from s3r_hf import S3RConfig, enable
 from s3r_hf.cache import s3r_cache
 from tests.conftest import left_padded_batch, tiny_model
 
+# On CUDA the engine also holds CUDA graphs (and the draft phase's graph), which point into the pool.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["s3r", "ar"])
-def test_the_kv_pool_is_freed_when_generate_returns(mode, monkeypatch):
+def test_the_kv_pool_is_freed_when_generate_returns(mode, device, monkeypatch):
     pools: list[weakref.ref] = []
     original_init = s3r_cache.S3RCache.__init__
 
@@ -28,14 +32,15 @@ def test_the_kv_pool_is_freed_when_generate_returns(mode, monkeypatch):
         pools.append(weakref.ref(self))
 
     monkeypatch.setattr(s3r_cache.S3RCache, "__init__", recording_init)
-    model = enable(tiny_model())
-    input_ids, attention_mask = left_padded_batch([9, 14], seed=3)
+    model = enable(tiny_model().to(device))
+    input_ids, attention_mask = (t.to(device) for t in left_padded_batch([9, 14], seed=3))
     gc.collect()
     gc.disable()  # only reference counting may free the pool
     try:
         out = model.generate(
             input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
-            eos_token_id=None, s3r_config=S3RConfig(budget_ratio=0.5, min_budget=4), s3r_mode=mode,
+            eos_token_id=None, s3r_config=S3RConfig(budget_ratio=0.5, min_budget=4, cuda_graphs=device == "cuda"),
+            s3r_mode=mode,
         )
         assert len(pools) == 1
         assert pools[0]() is None, "the engine's cache outlived the generate call (a reference cycle holds it)"
