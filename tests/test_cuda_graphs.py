@@ -49,3 +49,7 @@ def test_greedy_with_cuda_graphs_matches_dense_on_cuda():
     assert torch.equal(sampled, dense)
     ar = model.generate(input_ids, s3r_config=config, s3r_mode="ar", **kwargs)
     assert torch.equal(ar, dense)
+    # Rounds between index-view refreshes replay unscored verify graphs (kind "block") and extend the views.
+    extended = model.generate(input_ids, s3r_config=S3RConfig(**{**config.to_dict(), "refresh_interval": 2}),
+                              **kwargs)
+    assert torch.equal(extended, dense)

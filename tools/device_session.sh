@@ -59,7 +59,7 @@ for step in "$@"; do
     ;;
   tests)
     S3R_HF_TEST_DEVICE=cuda timeout 300 python3 -m pytest -p no:warnings -p no:cacheprovider -rs \
-      ${TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_compiled_layers.py tests/test_greedy_exactness.py tests/test_accept_stage.py tests/test_prelaunch.py tests/test_sampler.py} \
+      ${TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_compiled_layers.py tests/test_greedy_exactness.py tests/test_accept_stage.py tests/test_prelaunch.py tests/test_sampler.py tests/test_memory_release.py} \
       2>&1 | tee "$OUT/tests.log" | tail -15
     ;;
   gtests)
