@@ -28,7 +28,7 @@ def count_reward(completions, **kwargs) -> list[float]:
     return [float(sum(word.isdigit() for word in text.split())) for text in completions]
 
 
-def make_trainer(tmp_path, seed: int = 0, **overrides) -> S3RGRPOTrainer:
+def make_trainer(tmp_path, seed: int = 0, s3r_options: dict | None = None, **overrides) -> S3RGRPOTrainer:
     tokenizer = tiny_tokenizer()
     tokenizer.pad_token = "<eos>"
     overrides.setdefault("max_steps", 2)
@@ -36,7 +36,8 @@ def make_trainer(tmp_path, seed: int = 0, **overrides) -> S3RGRPOTrainer:
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=10,
         learning_rate=1e-2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
         seed=seed, temperature=1.0, dataloader_num_workers=0, bf16=False,
-        s3r_config={"draft_len": 3, "budget_ratio": 0.1, "min_budget": 2, "page_size": 4, "seed": seed},
+        s3r_config={"draft_len": 3, "budget_ratio": 0.1, "min_budget": 2, "page_size": 4, "seed": seed,
+                    **(s3r_options or {})},
         **overrides,
     )
     return S3RGRPOTrainer(
@@ -72,10 +73,12 @@ def test_s3r_rollouts_equal_trl_generation_with_top_k_1_and_return_dense_logprob
     assert all(abs(v) < 1e-5 for lp in logprobs for v in lp)
 
 
-def test_training_is_unchanged_by_s3r_except_through_the_samples(tmp_path):
+# compile_layers: the second step's rollouts run compiled layers (compiled in the first) on updated weights.
+@pytest.mark.parametrize("compile_layers", [False, True])
+def test_training_is_unchanged_by_s3r_except_through_the_samples(tmp_path, compile_layers):
     # With top_k=1 the samples are deterministic, so S3R and TRL's own generation must train identically (in
     # fp32: under GRPOConfig's default bf16 autocast, packed and padded batches round differently).
-    s3r = make_trainer(tmp_path / "s3r", top_k=1, max_steps=2)
+    s3r = make_trainer(tmp_path / "s3r", top_k=1, max_steps=2, s3r_options={"compile_layers": compile_layers})
     trl = make_trainer(tmp_path / "trl", top_k=1, use_s3r=False, max_steps=2)
     s3r.train()
     trl.train()
