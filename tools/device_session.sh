@@ -28,7 +28,8 @@
 #   qwen-queue   the same with 192 requests run 64 at a time (no straggler tail); QWEN_EXTRA="--refresh-interval 1,2"
 #                also times S3RConfig.refresh_interval=2 (SMOL_EXTRA likewise for the SmolLM2 steps)
 #   points       issue 3's Qwen3-1.7B grid ((16, 4K), (16, 16K), (64, 8K), (32, 16K)): attention kernels
-#                graph-timed against their floors, then engine AR and S3R at B=16/32 x S=4K/16K
+#                graph-timed against their floors, then engine AR and S3R at B=16/32 x S=4K/16K (up to 560 s:
+#                a call of its own)
 #   grpo         GRPO rollouts, S3R vs TRL generation (needs .whl/big carried in that call)
 set -uo pipefail
 # Wheels go to a folder named site-packages: dill (through datasets) pickles modules found elsewhere by value.
@@ -103,10 +104,10 @@ for step in "$@"; do
       | tee "$OUT/qwen.log" | grep -v -i warn | tail -20
     ;;
   points)  # issue 3's Qwen3-1.7B grid: kernels graph-timed, then engine AR and S3R (forced acceptance) at B=16/32
-    timeout 150 python3 tools/tune_kernels.py --chosen-only --json "$OUT/points_kernels.json" \
+    timeout 180 python3 tools/tune_kernels.py --chosen-only --json "$OUT/points_kernels.json" \
       --points qwen3-1.7b:16:4096,qwen3-1.7b:16:16384,qwen3-1.7b:64:8192,qwen3-1.7b:32:16384 2>&1 \
       | tee "$OUT/points_kernels.log" | grep -v -i warn | tail -20
-    timeout 400 python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 16,32 --seq 4096,16384 --max-new-tokens 128 \
+    timeout 380 python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 16,32 --seq 4096,16384 --max-new-tokens 128 \
       --acceptance ${QWEN_ACCEPT:-0.93} --skip-generate --cuda-graphs --compile-layers --json "$OUT/points.json" 2>&1 \
       | tee "$OUT/points.log" | grep -v -i warn | tail -30
     ;;
