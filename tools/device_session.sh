@@ -15,7 +15,8 @@
 #   tune         graph-timed kernels at the chosen launch settings (TUNE_ARGS= for the full sweep)
 #   smol         SmolLM2-135M real-text bench, bf16, compiled layers, graphs: headline (unsynchronized) numbers
 #   smol-stages  the same with per-stage synchronization: where a round's time goes (SMOL_SEQ, SMOL_EXTRA)
-#   smol-queue   the headline bench with 4 x 64 requests run 64 at a time (a rollout queue: no straggler tail)
+#   smol-queue   the headline bench with 4 x B requests run B at a time (a rollout queue: no straggler tail);
+#                SMOL_BATCH=256 runs the SmolLM2 steps at the engine's default concurrency (160-256) instead
 #   profile      CUDA kernels per AR step and per S3R round, SmolLM2 4K, graphs + compiled layers
 #   profile-qwen the same for the Qwen3-1.7B shape at B=64, S=8K, forced acceptance $QWEN_ACCEPT (see qwen)
 #   host-profile the profile step's calls under cProfile: where the host spends a step (SmolLM2 4K)
@@ -45,7 +46,7 @@ install_wheels() {
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
 smol_bench() {  # $1: JSON name; the rest: extra arguments
   local name=$1; shift
-  timeout 300 python3 -m s3r_hf.cli bench --model $smol --data $data --batch 64 --seq ${SMOL_SEQ:-4096,7680} \
+  timeout 300 python3 -m s3r_hf.cli bench --model $smol --data $data --batch ${SMOL_BATCH:-64} --seq ${SMOL_SEQ:-4096,7680} \
     --max-new-tokens 256 --budget ${SMOL_BUDGET:-0.05,0.1} --min-budget 64 --cuda-graphs --compile-layers \
     --json "$OUT/$name.json" "$@" ${SMOL_EXTRA:-} 2>&1 | tee "$OUT/$name.log" | grep -v -i warn | tail -40
 }
@@ -72,7 +73,7 @@ for step in "$@"; do
     ;;
   smol) smol_bench smol --plot "$OUT/smol.png" ;;
   smol-stages) smol_bench smol_stages --stages --skip-generate ;;
-  smol-queue) smol_bench smol_queue --requests 256 --skip-generate ;;
+  smol-queue) smol_bench smol_queue --requests $((4 * ${SMOL_BATCH:-64})) --skip-generate ;;
   profile)
     timeout 240 python3 tools/profile_engine.py --model $smol --data $data --batch 64 --seq ${SMOL_SEQ:-4096} \
       --budget 0.05 --min-budget 64 --cuda-graphs --compile-layers 2>&1 | grep -v -i warn | tee "$OUT/profile.log" \
