@@ -162,8 +162,10 @@ class S3REngine:
             max_pages = self.cache.pages_for(longest)
             max_budget = self.config.budget(max_pages * self.cache.page_size)
             self.graphs = DecodeGraphs(self.cache, self._model_logits, max_pages, self.config.draft_len, max_budget)
-            # Index views at their largest from the start: growing them would invalidate the draft graphs.
-            self.cache.index_views.ensure_capacity(max_budget + self._extension_slack())
+            # Index views at their largest from the start: growing them would invalidate the draft graphs. A view
+            # never holds more than the context, whatever the slack between refreshes.
+            max_view = min(max_budget + self._extension_slack(), max_pages * self.cache.page_size)
+            self.cache.index_views.ensure_capacity(max_view)
         waiting = deque(requests)
         running: list[Request] = []
         paused: deque[Request] = deque()
