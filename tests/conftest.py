@@ -87,3 +87,39 @@ def word_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
 @pytest.fixture(params=["qwen3", "llama"])
 def model_kind(request) -> str:
     return request.param
+
+
+@pytest.fixture
+def view_checks(monkeypatch):
+    """After every round: each running request's views are sorted, end at its last committed position, and are as
+    long as the host thinks. Also counts refreshed and extended rounds."""
+    from s3r_hf.engine import S3REngine
+    from s3r_hf.request import RequestStatus
+
+    counts = {"refresh": 0, "extend": 0}
+    original_round, original_rebuild, original_extend = (
+        S3REngine._round, S3REngine._rebuild_views, S3REngine._extend_views
+    )
+
+    def checked_round(self, requests):
+        original_round(self, requests)
+        views = self.cache.index_views
+        for request in requests:
+            if request.status is RequestStatus.FINISHED:
+                continue
+            length = int(views.lengths[request.slot])
+            assert length == request.view_len
+            positions = views.positions[:, request.slot, :, :length]
+            assert bool((positions[..., 1:] > positions[..., :-1]).all()), "a view is not sorted"
+            assert bool((positions[..., -1] == request.committed - 1).all()), "a view misses the latest token"
+
+    def counted(name, original):
+        def wrapper(self, *args, **kwargs):
+            counts[name] += 1
+            return original(self, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(S3REngine, "_round", checked_round)
+    monkeypatch.setattr(S3REngine, "_rebuild_views", counted("refresh", original_rebuild))
+    monkeypatch.setattr(S3REngine, "_extend_views", counted("extend", original_extend))
+    return counts

@@ -134,17 +134,21 @@ def test_outputs_scores_and_logprobs_match_dense():
     torch.testing.assert_close(out.logprobs, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_kv_pressure_pauses_and_resumes_requests():
+# refresh_interval 3: views extended between refreshes must survive a pause (offload) and resume too.
+@pytest.mark.parametrize("refresh_interval", [1, 3])
+def test_kv_pressure_pauses_and_resumes_requests(refresh_interval, view_checks):
     model = s3r_hf.enable(tiny_model("llama", seed=13))
     input_ids, attention_mask = left_padded_batch([20, 22, 24, 26], seed=14)
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40)
     # Room for about two requests at full length: the others wait or are paused (offloaded) and resumed.
-    config = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, num_pages=36)
+    config = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, num_pages=36,
+                       refresh_interval=refresh_interval)
     out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40,
                          s3r_config=config)
     assert torch.equal(out, dense)
     assert out.s3r_stats.offload_episodes > 0, "the pool is too small for all four: some must be paused"
     assert out.s3r_stats.peak_kv_pages <= 36
+    assert (view_checks["extend"] > 0) == (refresh_interval > 1)
 
 
 def test_admission_counts_prompt_pages_that_chunked_prefill_has_not_reserved_yet():
