@@ -44,3 +44,16 @@ def test_greedy_with_views_refreshed_every_few_rounds_matches_dense(interval, vi
     assert view_checks["extend"] == rounds - rounds // interval
     assert view_checks["refresh"] >= rounds // interval
     assert out.s3r_stats.accepted < out.s3r_stats.drafted
+
+
+def test_history_reading_processors_draft_over_extended_views(view_checks):
+    """A repetition penalty reads the token history, so drafts run one host-driven pass per position; those passes
+    size their view reads from the host's view lengths, which extended views change."""
+    model = s3r_hf.enable(tiny_model("llama", seed=23))
+    input_ids, attention_mask = left_padded_batch([6, 19, 27], seed=24)
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=30, repetition_penalty=1.3)
+    dense = model.generate(input_ids, **kwargs)
+    config = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4, refresh_interval=2)
+    out = model.generate(input_ids, s3r_config=config, **kwargs)
+    assert torch.equal(out, dense)
+    assert view_checks["extend"] > 0
