@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from s3r_hf.cache.s3r_cache import S3RCache
-from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase, draw_noise
+from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase
+from s3r_hf.sampler import draw_noise
 from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)

@@ -81,7 +81,9 @@ class DraftPhase:
         for a captured graph)."""
         if not self.greedy and inputs.noise is None:
             # Sampled drafts must follow the scores the acceptance test divides by; an argmax would not.
-            raise ValueError("sampled drafting needs DraftInputs.noise (see DraftPhase.noise_buffer and draw_noise)")
+            raise ValueError(
+                "sampled drafting needs DraftInputs.noise (see DraftPhase.noise_buffer and sampler.draw_noise)"
+            )
         rows = inputs.pending.shape[0]
         passes = self.draft_len if passes is None else passes
         tail_starts = inputs.committed.to(torch.int32)
@@ -127,8 +129,3 @@ class DraftPhase:
     def noise_buffer(self, rows: int, device: torch.device) -> torch.Tensor | None:
         """An uninitialised `[draft_len, rows, V]` noise buffer, or None when drafting greedily."""
         return None if self.greedy else torch.empty(self.draft_len, rows, self.vocab_size, device=device)
-
-
-def draw_noise(buffer: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Fill `buffer` with Exp(1) draws in place (kept away from 0, so `p / noise` stays finite)."""
-    return buffer.exponential_(generator=generator).clamp_(min=torch.finfo(buffer.dtype).tiny)

@@ -22,12 +22,12 @@ from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.compiled_layers import compiled_decoder_layers
 from s3r_hf.config import S3RConfig
 from s3r_hf.cuda_graphs import DecodeGraphs
-from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase, draw_noise
+from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase
 from s3r_hf.kernels import get_backend
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.model_forward import ModelForward
 from s3r_hf.request import Request, RequestStatus
-from s3r_hf.sampler import sample_from_scores, speculative_accept
+from s3r_hf.sampler import draw_noise, sample_from_scores, speculative_accept
 from s3r_hf.scheduler import AIMDConcurrency
 from s3r_hf.staging import start_host_copy, to_device
 from s3r_hf.stats import S3RStats

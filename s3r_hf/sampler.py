@@ -34,10 +34,15 @@ def sample_with_noise(scores: torch.Tensor, noise: torch.Tensor) -> torch.Tensor
     return (probs / noise).argmax(dim=-1)
 
 
+def draw_noise(buffer: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Fill `buffer` with Exp(1) draws in place (kept away from 0, so `p / noise` stays finite)."""
+    return buffer.exponential_(generator=generator).clamp_(min=torch.finfo(buffer.dtype).tiny)
+
+
 def sample_proportional(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One draw per row of non-negative `weights` `[R, V]` with probability proportional to them, by the
     exponential race, which never waits for the device (`torch.multinomial` checks its input on the host)."""
-    noise = torch.empty_like(weights).exponential_(generator=generator).clamp_(min=torch.finfo(weights.dtype).tiny)
+    noise = draw_noise(torch.empty_like(weights), generator)
     return (weights / noise).argmax(dim=-1)
 
 

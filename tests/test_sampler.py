@@ -6,8 +6,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from s3r_hf.draft_phase import draw_noise
-from s3r_hf.sampler import sample_from_scores, sample_proportional, sample_with_noise, speculative_accept
+from s3r_hf.sampler import (
+    draw_noise,
+    sample_from_scores,
+    sample_proportional,
+    sample_with_noise,
+    speculative_accept,
+)
 
 VOCAB = 6
 
