@@ -504,10 +504,8 @@ class S3REngine:
             request.committed += accepted + 1
             # Pages past the new length stay reserved: an early draft phase may be writing into them.
             self.cache.set_length(request.slot, request.committed, release_pages=False)
-            if self.mode != "ar" and refresh:
-                request.view_len = self.config.budget(request.committed)
-            elif self.mode != "ar":
-                request.view_len += accepted + 1
+            if self.mode != "ar":  # the host's copy of what the device's rebuild or extension set
+                request.view_len = self.config.budget(request.committed) if refresh else request.view_len + accepted + 1
         logprobs = logprobs.tolist() if logprobs is not None else None
         # Scores, logits and stopping criteria are read token by token; without them a row's block is committed
         # in one go, which at B=64 saves a few hundred Python calls per round while the device waits.
