@@ -30,7 +30,7 @@
 #                also times S3RConfig.refresh_interval=2 (SMOL_EXTRA likewise for the SmolLM2 steps)
 #   points       issue 3's Qwen3-1.7B grid ((16, 4K), (16, 16K), (64, 8K), (32, 16K)): attention kernels
 #                graph-timed against their floors, then engine AR and S3R at B=16/32 x S=4K/16K (up to 560 s:
-#                a call of its own)
+#                a call of its own; points-kernels and points-bench are its two halves)
 #   grpo         GRPO rollouts, S3R vs TRL generation (needs .whl/big carried in that call)
 set -uo pipefail
 # Wheels go to a folder named site-packages: dill (through datasets) pickles modules found elsewhere by value.
@@ -105,9 +105,14 @@ for step in "$@"; do
       | tee "$OUT/qwen.log" | grep -v -i warn | tail -20
     ;;
   points)  # issue 3's Qwen3-1.7B grid: kernels graph-timed, then engine AR and S3R (forced acceptance) at B=16/32
+    bash "$0" points-kernels points-bench
+    ;;
+  points-kernels)
     timeout 180 python3 tools/tune_kernels.py --chosen-only --json "$OUT/points_kernels.json" \
       --points qwen3-1.7b:16:4096,qwen3-1.7b:16:16384,qwen3-1.7b:64:8192,qwen3-1.7b:32:16384 2>&1 \
       | tee "$OUT/points_kernels.log" | grep -v -i warn | tail -20
+    ;;
+  points-bench)
     timeout 380 python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 16,32 --seq 4096,16384 --max-new-tokens 128 \
       --acceptance ${QWEN_ACCEPT:-0.93} --skip-generate --cuda-graphs --compile-layers --json "$OUT/points.json" 2>&1 \
       | tee "$OUT/points.log" | grep -v -i warn | tail -30
