@@ -118,7 +118,7 @@ for step in "$@"; do
       | tee "$OUT/points.log" | grep -v -i warn | tail -30
     ;;
   qwen-queue)
-    timeout 290 python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 64 --requests 192 --seq ${QWEN_SEQ:-8192} \
+    timeout ${QWEN_TIMEOUT:-290} python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 64 --requests 192 --seq ${QWEN_SEQ:-8192} \
       --max-new-tokens 128 --acceptance ${QWEN_ACCEPT:-0.93} --skip-generate --cuda-graphs --compile-layers ${QWEN_EXTRA:-} \
       --json "$OUT/qwen_queue.json" 2>&1 | tee "$OUT/qwen_queue.log" | grep -v -i warn | tail -20
     ;;
