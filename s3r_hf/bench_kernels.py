@@ -100,7 +100,7 @@ def bench_point(triton_backend, batch: int, seq: int, bandwidth: float, generato
     """One (B, S) point, with the key split chosen automatically and, as a variant, without splitting."""
     automatic = _bench_point(triton_backend, batch, seq, bandwidth, generator)
     choose_splits = triton_backend._num_splits
-    triton_backend._num_splits = lambda programs, keys, min_keys: 1
+    triton_backend._num_splits = lambda programs, keys, min_keys, **_: 1
     try:
         unsplit = _bench_point(triton_backend, batch, seq, bandwidth, generator)
     finally:

@@ -35,7 +35,9 @@ def block_tables_for(contexts, page_size, num_pages, generator):
 def key_splits(request, monkeypatch):
     """Also run every kernel with its keys split over 3 programs (flash-decoding path) at these small sizes."""
     if request.param is not None:
-        monkeypatch.setattr(triton_backend, "_num_splits", lambda programs, keys, min_keys: min(request.param, keys))
+        monkeypatch.setattr(
+            triton_backend, "_num_splits", lambda programs, keys, min_keys, **_: min(request.param, keys)
+        )
     return request.param
 
 
@@ -103,6 +105,10 @@ def test_key_splits_fill_the_gpu_in_powers_of_two():
     assert triton_backend._num_splits(48, 4096, 1024) == 4  # capped by a thousand keys per split
     assert triton_backend._num_splits(48, 3000, 1024) == 2
     assert triton_backend._num_splits(4, 100, 1024) == 1
+    # A kernel that stores verify logits fills the GPU with fewer programs.
+    stored = triton_backend._TARGET_PROGRAMS_STORING_LOGITS
+    assert triton_backend._num_splits(17 * 8, 16384, 1024, target=stored) == 2  # Qwen3-1.7B, B=16 (+1 padding)
+    assert triton_backend._num_splits(33 * 8, 16384, 1024, target=stored) == 1  # B=32
 
 
 def test_score_source_is_the_one_that_moves_fewer_bytes():
@@ -165,7 +171,7 @@ def test_sparse_attention_matches_reference(page_size, group, view_width, key_sp
 def test_kernels_take_a_transposed_half_precision_query(splits, monkeypatch):
     """The attention function hands the kernels a transposed view of the projection (no copy) and reads their
     result in the model's dtype: an unsplit kernel stores it directly, a split one after the float32 merge."""
-    monkeypatch.setattr(triton_backend, "_num_splits", lambda programs, keys, min_keys: min(splits, keys))
+    monkeypatch.setattr(triton_backend, "_num_splits", lambda programs, keys, min_keys, **_: min(splits, keys))
     generator = torch.Generator().manual_seed(splits)
     page_size, num_kv_heads, group, head_dim = 4, 2, 2, 16
     contexts = [21, 9, 30]

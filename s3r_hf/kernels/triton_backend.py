@@ -166,11 +166,18 @@ _TARGET_PROGRAMS = 528
 _MIN_KEYS_PER_SPLIT = 1024
 
 
-def _num_splits(programs: int, keys: int, min_keys: int) -> int:
-    """Split each row's keys over several programs (flash-decoding) when there are too few programs."""
-    if programs >= _TARGET_PROGRAMS:
+# A dense kernel that also stores the verify logits does more per program and fills the GPU with fewer programs.
+# H200, graph-timed, one Qwen3-1.7B layer, 7-query blocks (ninth session): at B=16, 0.175 / 0.653 ms unsplit at
+# 4K / 16K and 0.110 / 0.387 ms over 2 splits; at B=64, S=8K (512 programs) 0.645 ms unsplit and 0.697 ms over 2;
+# at B=32, S=16K (256 programs) 0.817 ms unsplit and 0.832 ms over 2.
+_TARGET_PROGRAMS_STORING_LOGITS = 256
+
+
+def _num_splits(programs: int, keys: int, min_keys: int, target: int = _TARGET_PROGRAMS) -> int:
+    """Split each row's keys over several programs (flash-decoding) when there are fewer than `target` programs."""
+    if programs >= target:
         return 1
-    wanted = max(1, min(-(-_TARGET_PROGRAMS // max(programs, 1)), -(-keys // min_keys)))
+    wanted = max(1, min(-(-target // max(programs, 1)), -(-keys // min_keys)))
     # Rounded down to a power of two. H200, graph-timed, one SmolLM2 layer at B=64 (192 programs): dense decode at
     # 4K took 0.081 ms unsplit, 0.064 / 0.083 / 0.070 ms over 2 / 3 / 4 splits, and the 7-query verify block
     # 0.096 / 0.070 / 0.084 / 0.074 ms (unscored); 3 splits, the plain quotient, was the worst of the split counts.
@@ -322,11 +329,10 @@ def paged_dense_attention(
             logits = _score_scratch((num_segments, num_kv_heads, max_scored_rows, max(max_context, 1)), query.device)
     scratch = logits if logits is not None else positions  # any valid pointer when no logits are stored
     num_q_blocks = triton.cdiv(max_len, block_m)
-    # A kernel that stores logits runs unsplit: H200, Qwen3-1.7B verify at B=64, S=8K, 0.648 ms unsplit vs 0.698 ms
-    # over 2 splits (unscored, splitting takes it from 0.652 to 0.502 ms).
-    splits = num_splits or (1 if logits is not None else _num_splits(
-        num_segments * num_kv_heads * num_q_blocks, max_context, min_keys=_MIN_KEYS_PER_SPLIT
-    ))
+    target = _TARGET_PROGRAMS if logits is None else _TARGET_PROGRAMS_STORING_LOGITS
+    splits = num_splits or _num_splits(
+        num_segments * num_kv_heads * num_q_blocks, max_context, min_keys=_MIN_KEYS_PER_SPLIT, target=target
+    )
     keys_per_split = -(-max_context // splits)
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)

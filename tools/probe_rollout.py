@@ -1,0 +1,107 @@
+"""Where one GRPO-shaped rollout call's time goes: S3R `generate` calls timed by phase, then one under the profiler.
+
+A GRPO step generates `--rows` completions (prompts x generations) of up to `--max-new-tokens` tokens from short
+chat prompts, sampled at temperature 1, with the model in training mode and the dense log-probabilities returned,
+as `S3RGRPOTrainer` asks. This reruns that call outside TRL, so its time can be split without the trainer:
+per call the prefill, decode and CUDA-graph capture seconds and the engine steps; then, for one more call, the
+CUDA kernels' device time, how many kernels the host launched one by one against the graphs it replayed, and
+the host functions that took the most time.
+
+    python tools/probe_rollout.py --model SmolLM2-135M-Instruct.Q4_1.gguf --data math_train.json \\
+        --s3r-config '{"cuda_graphs": true, "compile_layers": true}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from s3r_hf.bench import DEFAULT_DATA
+from s3r_hf.generate import enable
+from s3r_hf.models import load_model_and_tokenizer
+
+
+def chat_prompts(tokenizer, data_path: Path, prompts: int, generations: int) -> dict[str, torch.Tensor]:
+    """Left-padded chat prompts of the first `prompts` problems, each repeated `generations` times (as GRPO)."""
+    records = json.loads(data_path.read_text())[:prompts]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": r["problem"]}], tokenize=False,
+                                      add_generation_prompt=True)
+        for r in records for _ in range(generations)
+    ]
+    tokenizer.padding_side = "left"
+    return tokenizer(texts, return_tensors="pt", padding=True)
+
+
+def timed_call(model, batch, kwargs, device) -> tuple[float, object]:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    output = model.generate(**batch, **kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started, output
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", default=str(DEFAULT_DATA))
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--calls", type=int, default=3, help="timed calls before the profiled one")
+    parser.add_argument("--eval-mode", action="store_true", help="generate in eval mode (GRPO: training mode)")
+    parser.add_argument("--s3r-config", default="{}", help="S3RConfig fields as JSON")
+    parser.add_argument("--rows", type=int, default=25, help="host functions listed")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=getattr(torch, args.dtype), device=str(device))
+    enable(model)
+    model.train(not args.eval_mode)
+    batch = {k: v.to(device) for k, v in chat_prompts(tokenizer, Path(args.data), args.prompts,
+                                                        args.generations).items()}
+    config = {"return_logprobs": True, **json.loads(args.s3r_config)}
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                  pad_token_id=tokenizer.pad_token_id, s3r_config=config, s3r_timing=True,
+                  return_dict_in_generate=True)
+    print(f"{batch['input_ids'].shape[0]} rows, prompts {batch['attention_mask'].sum(1).min().item()}-"
+          f"{batch['attention_mask'].sum(1).max().item()} tokens, {args.dtype}, "
+          f"{'eval' if args.eval_mode else 'train'} mode, {config}")
+    for call in range(args.calls):
+        torch.manual_seed(call)
+        wall, output = timed_call(model, batch, kwargs, device)
+        stats = output.s3r_stats
+        committed = stats.committed
+        print(f"call {call}: {wall:.2f} s, {committed} tokens ({committed / wall:.0f} tok/s), "
+              f"prefill {stats.prefill_seconds:.2f} s, decode {stats.decode_seconds:.2f} s "
+              f"(captures {stats.graph_captures}: {stats.graph_capture_seconds:.2f} s), {stats.steps} steps "
+              f"({1e3 * (stats.decode_seconds - stats.graph_capture_seconds) / max(stats.steps, 1):.1f} ms each), "
+              f"tau {stats.mean_acceptance_length:.2f}")
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    torch.manual_seed(args.calls)
+    with profile(activities=activities) as prof:
+        wall, output = timed_call(model, batch, kwargs, device)
+    events = prof.events()
+    runtime = Counter(e.name for e in events if e.name in ("cudaLaunchKernel", "cudaGraphLaunch",
+                                                           "cudaLaunchKernelExC", "cuLaunchKernel",
+                                                           "cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                           "cudaMemcpyAsync", "cudaEventSynchronize"))
+    device_ms = sum(e.device_time_total for e in events
+                    if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    print(f"profiled call: {wall:.2f} s wall (profiler on), CUDA kernels {device_ms:.0f} ms of device time, "
+          f"{output.s3r_stats.steps} steps; runtime calls: {dict(runtime)}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
