@@ -32,6 +32,8 @@
 #                graph-timed against their floors, then engine AR and S3R at B=16/32 x S=4K/16K (up to 560 s:
 #                a call of its own; points-kernels and points-bench are its two halves)
 #   grpo         GRPO rollouts, S3R vs TRL generation (needs .whl/big carried in that call)
+#   rollout      a GRPO-shaped S3R generate call outside TRL (tools/probe_rollout.py): its time by phase, then one
+#                call profiled; fp32 then bf16 (PROBE_CONFIG overrides the S3RConfig JSON)
 set -uo pipefail
 # Wheels go to a folder named site-packages: dill (through datasets) pickles modules found elsewhere by value.
 export PYTHONUNBUFFERED=1 PYTHONPATH=/root/site-packages:$PWD TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 \
@@ -128,6 +130,13 @@ for step in "$@"; do
       --per-device-batch 32 --num-generations 8 --max-completion-length 512 --max-seconds-per-mode 70 \
       --mode-timeout 100 --s3r-config '{"cuda_graphs": true, "compile_layers": true}' --json "$OUT/grpo.json" 2>&1 \
       | grep -v -i warn | tee "$OUT/grpo.log" | tail -60
+    ;;
+  rollout)
+    for dtype in float32 bfloat16; do
+      timeout 200 python3 tools/probe_rollout.py --model $smol --data $data --dtype $dtype --calls 2 \
+        --s3r-config "${PROBE_CONFIG:-{\"cuda_graphs\": true, \"compile_layers\": true\}}" > "$OUT/rollout_$dtype.log" 2>&1
+      grep -v -i "warn\|loading\|convert\|writing" "$OUT/rollout_$dtype.log" | cut -c1-160 | tail -45
+    done
     ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac

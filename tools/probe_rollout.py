@@ -5,7 +5,7 @@ chat prompts, sampled at temperature 1, with the model in training mode and the 
 as `S3RGRPOTrainer` asks. This reruns that call outside TRL, so its time can be split without the trainer:
 per call the prefill, decode and CUDA-graph capture seconds and the engine steps; then, for one more call, the
 CUDA kernels' device time, how many kernels the host launched one by one against the graphs it replayed, and
-the host functions that took the most time.
+the kernels and host functions that took the most time.
 
     python tools/probe_rollout.py --model SmolLM2-135M-Instruct.Q4_1.gguf --data math_train.json \\
         --s3r-config '{"cuda_graphs": true, "compile_layers": true}'
@@ -100,7 +100,10 @@ def main() -> None:
                     if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
     print(f"profiled call: {wall:.2f} s wall (profiler on), CUDA kernels {device_ms:.0f} ms of device time, "
           f"{output.s3r_stats.steps} steps; runtime calls: {dict(runtime)}")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    averages = prof.key_averages()
+    if device.type == "cuda":  # the kernels first: what an fp32 round spends its device time on
+        print(averages.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
 
 
 if __name__ == "__main__":
