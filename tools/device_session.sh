@@ -32,7 +32,8 @@
 #                graph-timed against their floors, then engine AR and S3R at B=16/32 x S=4K/16K (up to 560 s:
 #                a call of its own; points-kernels and points-bench are its two halves)
 #   grpo         GRPO rollouts, S3R vs TRL generation (needs .whl/big carried in that call; S3R's first step
-#                compiles for ~30 s on a fresh machine, so each mode gets 140 s)
+#                compiles for ~30 s on a fresh machine, so each mode gets 140 s); GRPO_EXTRA="--model-dtype bfloat16
+#                --bf16" runs it in bf16
 #   rollout      a GRPO-shaped S3R generate call outside TRL (tools/probe_rollout.py): its time by phase, then one
 #                call profiled; fp32 then bf16 (PROBE_CONFIG overrides the S3RConfig JSON)
 set -uo pipefail
@@ -129,7 +130,7 @@ for step in "$@"; do
     install_wheels .whl/big/*.whl
     timeout 440 python3 tools/bench_grpo.py --gguf $smol --dataset $data --modes s3r,trl,trl-paged --max-steps 5 \
       --per-device-batch 32 --num-generations 8 --max-completion-length 512 --max-seconds-per-mode 90 \
-      --mode-timeout 140 --s3r-config '{"cuda_graphs": true, "compile_layers": true}' --json "$OUT/grpo.json" 2>&1 \
+      --mode-timeout 140 --s3r-config '{"cuda_graphs": true, "compile_layers": true}' ${GRPO_EXTRA:-} --json "$OUT/grpo.json" 2>&1 \
       | grep -v -i warn | tee "$OUT/grpo.log" | tail -60
     ;;
   rollout)
