@@ -24,11 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
 from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase
 from s3r_hf.sampler import draw_noise
 from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
+
+logger = logging.get_logger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 REUSE_FACTOR = 4
@@ -115,7 +118,7 @@ class DecodeGraphs:
             self._drop_stale(kind, key)
             step = self._static_step(kind, key[1])
             self._fill(kind, step, input_ids, plan, count)
-            step.graph, step.logits = self._capture(lambda: self.forward(step.input_ids, step.plan))
+            step.graph, step.logits = self._capture(lambda: self.forward(step.input_ids, step.plan), key)
             self.steps[key] = step
         else:
             self._fill(kind, step, input_ids, plan, count)
@@ -146,7 +149,7 @@ class DecodeGraphs:
             draw_noise(captured.inputs.noise, generator)
         if fresh:
             static = captured.inputs
-            captured.graph, captured.outputs = self._capture(lambda: phase(static, capacity, num_splits=1))
+            captured.graph, captured.outputs = self._capture(lambda: phase(static, capacity, num_splits=1), key)
             self.steps[key] = captured
         captured.graph.replay()
         self.replays += 1
@@ -255,8 +258,9 @@ class DecodeGraphs:
             target.tail_starts[:count].copy_(source.tail_starts)
             target.tail_starts[count:].zero_()
 
-    def _capture(self, program: Callable):
-        """Capture `program()` (after one warm-up run, see `capture_graph`) and return `(graph, its outputs)`.
+    def _capture(self, program: Callable, key: tuple):
+        """Capture `program()` (after one warm-up run, see `capture_graph`) and return `(graph, its outputs)`;
+        `key` (kind, bucket, index-view capacity) names it in the log.
 
         The warm-up sees the same inputs the replay will see, so the K/V it writes are the ones the replay writes
         again.
@@ -269,8 +273,11 @@ class DecodeGraphs:
         # new draft buckets after verify buckets, so with a shared pool a verify replay could overwrite the drafts.
         graph, outputs = capture_graph(program)
         torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
         self.captures += 1
-        self.capture_seconds += time.perf_counter() - started
+        self.capture_seconds += seconds
+        kind, bucket, capacity = key
+        logger.info(f"captured a CUDA graph: {kind}, {bucket} rows, index views {capacity} wide, {seconds:.3f} s")
         return graph, outputs
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from collections import Counter
 from pathlib import Path
@@ -63,6 +64,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25, help="host functions listed")
     args = parser.parse_args()
 
+    # The engine logs each CUDA-graph capture (kind, bucket, seconds) at info level.
+    logging.basicConfig(format="  %(name)s: %(message)s")
+    logging.getLogger("s3r_hf").setLevel(logging.INFO)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=getattr(torch, args.dtype), device=str(device))
     enable(model)
