@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -24,30 +23,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from s3r_hf.bench import DEFAULT_DATA
+from s3r_hf.demo import build_batch, timed_generate
 from s3r_hf.generate import enable
 from s3r_hf.models import load_model_and_tokenizer
 
 
-def chat_prompts(tokenizer, data_path: Path, prompts: int, generations: int) -> dict[str, torch.Tensor]:
-    """Left-padded chat prompts of the first `prompts` problems, each repeated `generations` times (as GRPO)."""
+def grpo_prompts(data_path: Path, prompts: int, generations: int) -> list[str]:
+    """The first `prompts` problems, each repeated `generations` times (as a GRPO step asks for them)."""
     records = json.loads(data_path.read_text())[:prompts]
-    texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": r["problem"]}], tokenize=False,
-                                      add_generation_prompt=True)
-        for r in records for _ in range(generations)
-    ]
-    tokenizer.padding_side = "left"
-    return tokenizer(texts, return_tensors="pt", padding=True)
-
-
-def timed_call(model, batch, kwargs, device) -> tuple[float, object]:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    output = model.generate(**batch, **kwargs)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - started, output
+    return [record["problem"] for record in records for _ in range(generations)]
 
 
 def main() -> None:
@@ -61,7 +45,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=3, help="timed calls before the profiled one")
     parser.add_argument("--eval-mode", action="store_true", help="generate in eval mode (GRPO: training mode)")
     parser.add_argument("--s3r-config", default="{}", help="S3RConfig fields as JSON")
-    parser.add_argument("--rows", type=int, default=25, help="host functions listed")
+    parser.add_argument("--rows", type=int, default=25, help="kernels and host functions listed")
     args = parser.parse_args()
 
     # The engine logs each CUDA-graph capture (kind, bucket, seconds) at info level.
@@ -71,8 +55,7 @@ def main() -> None:
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=getattr(torch, args.dtype), device=str(device))
     enable(model)
     model.train(not args.eval_mode)
-    batch = {k: v.to(device) for k, v in chat_prompts(tokenizer, Path(args.data), args.prompts,
-                                                        args.generations).items()}
+    batch = build_batch(tokenizer, grpo_prompts(Path(args.data), args.prompts, args.generations), device)
     config = {"return_logprobs": True, **json.loads(args.s3r_config)}
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                   pad_token_id=tokenizer.pad_token_id, s3r_config=config, s3r_timing=True,
@@ -82,7 +65,7 @@ def main() -> None:
           f"{'eval' if args.eval_mode else 'train'} mode, {config}")
     for call in range(args.calls):
         torch.manual_seed(call)
-        wall, output = timed_call(model, batch, kwargs, device)
+        output, wall = timed_generate(model, batch, **kwargs)
         stats = output.s3r_stats
         committed = stats.committed
         print(f"call {call}: {wall:.2f} s, {committed} tokens ({committed / wall:.0f} tok/s), "
@@ -94,7 +77,7 @@ def main() -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     torch.manual_seed(args.calls)
     with profile(activities=activities) as prof:
-        wall, output = timed_call(model, batch, kwargs, device)
+        output, wall = timed_generate(model, batch, **kwargs)
     events = prof.events()
     runtime = Counter(e.name for e in events if e.name in ("cudaLaunchKernel", "cudaGraphLaunch",
                                                            "cudaLaunchKernelExC", "cuLaunchKernel",
