@@ -121,9 +121,9 @@ def generate_from_args(args: argparse.Namespace, console: Console | None = None)
         result["s3r_stats"] = stats.to_dict()
         per_position = ", ".join(f"{p:.2f}" for p in stats.per_position_acceptance)
         console.print(
-            f"acceptance rate {stats.acceptance_rate:.3f}, τ (tokens per round) "
-            f"{stats.mean_acceptance_length:.2f}, drafted {stats.drafted}, accepted {stats.accepted}, "
-            f"rounds {stats.rounds}"
+            f"acceptance rate {stats.acceptance_rate:.3f}, τ (tokens per request-round) {stats.tau:.2f}, "
+            f"mean acceptance length {stats.mean_acceptance_length:.2f}, drafts {stats.num_drafts}, "
+            f"dense steps {stats.dense_steps}, drafted {stats.drafted}, accepted {stats.accepted}"
         )
         console.print(f"per-position acceptance: [{per_position}]")
         console.print(

@@ -272,6 +272,7 @@ def _stats_numbers(stats: Any) -> dict[str, Any]:
     return {
         "acceptance_rate": stats.acceptance_rate,
         "mean_acceptance_length": stats.mean_acceptance_length,
+        "tau": stats.tau,
         "per_position_acceptance": list(stats.per_position_acceptance),
         "drafted": stats.drafted,
         "accepted": stats.accepted,
@@ -285,7 +286,7 @@ def _describe_config(config: S3RConfig) -> str:
 def _print_results(console: Console, results: dict[str, Any]) -> None:
     dense, s3r = results["dense"], results["s3r"]
     title = f"Greedy decoding, batch of {results['num_prompts']}, {results['device']}, {results['dtype']}"
-    table = Table(title=title, caption="τ: tokens committed per verification round, bonus token included")
+    table = Table(title=title, caption="τ: tokens committed per request-round, bonus token included")
     headers = ("method", "gen. tokens", "seconds", "tok/s", "accept rate", "τ", "matches dense")
     for header in headers:
         table.add_column(header, justify="left" if header == "method" else "right", no_wrap=True)
@@ -306,7 +307,7 @@ def _print_results(console: Console, results: dict[str, Any]) -> None:
         f"{s3r['seconds']:.2f}",
         f"{s3r['tokens_per_s']:.1f}",
         f"{s3r['acceptance_rate']:.3f}" if "acceptance_rate" in s3r else "n/a",
-        f"{s3r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in s3r else "n/a",
+        f"{s3r['tau']:.2f}" if "tau" in s3r else "n/a",
         match,
     )
     console.print(table)

@@ -1,21 +1,40 @@
-"""`S3RStats`: what speculative decoding did during one generation call."""
+"""`S3RStats`: what speculative decoding did during one generation call.
+
+Two summaries of the same rounds are kept apart, because they answer different questions:
+
+- τ (`tau`): tokens committed per request-round, over every round a request took part in, dense steps (rounds
+  where it drafted nothing) included, and after the commit cut at EOS or `max_new_tokens`. It is what speed follows:
+  a round costs about the same whatever it accepts, so the tokens a round yields is the speed-up's numerator.
+- vLLM's speculative-decoding metrics (`num_drafts`, `num_draft_tokens`, `num_accepted_tokens`,
+  `num_accepted_tokens_per_pos`, `mean_acceptance_length = 1 + num_accepted_tokens / num_drafts`): counted over
+  drafts only, i.e. over request-rounds that drafted at least one token. They describe the drafter, whatever the
+  engine chose to do with it. A request-round that drafted nothing (the adaptive engine's dense steps, a request's
+  first round after admission, the last token of a response) is a dense step (`dense_steps`), not a draft.
+
+Without dense steps and cuts the two agree (each draft commits its accepted tokens plus one); with an adaptive
+engine that often decodes densely, τ is lower than the mean acceptance length.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
 class S3RStats:
-    """Counts of one S3R generation call.
+    """Counts of one S3R generation call (see the module docstring for τ against the mean acceptance length).
 
-    `mean_acceptance_length` is τ as vLLM and SGLang report it: tokens committed per verification round,
-    the correction or bonus token included (so it lies in `[1, draft_len + 1]`).
+    `drafted` / `accepted` are vLLM's `num_draft_tokens` / `num_accepted_tokens` (both names work);
+    `position_drafted` / `position_accepted` count per draft position (0-based), `position_accepted` being vLLM's
+    `num_accepted_tokens_per_pos`.
     """
 
-    steps: int = 0  # lockstep rounds of the engine (each: the draft passes and one verify forward)
-    rounds: int = 0  # request-rounds (one per request verified in a step)
+    steps: int = 0  # lockstep rounds of the engine (each: the draft passes, if any, and one verify forward)
+    rounds: int = 0  # request-rounds (one per request verified in a step), dense steps included
+    num_drafts: int = 0  # request-rounds that drafted at least one token (vLLM's num_drafts)
+    dense_steps: int = 0  # request-rounds that drafted nothing: one dense token, not a draft
     drafted: int = 0
     accepted: int = 0
     committed: int = 0
@@ -35,10 +54,22 @@ class S3RStats:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
+    # Request-rounds by the number of tokens drafted (0: dense steps), e.g. how often an adaptive engine chose each
+    # draft length (shorter near the end of a response, where fewer tokens remain).
+    draft_length_counts: dict[int, int] = field(default_factory=dict)
 
     def record_round(self, num_drafted: list[int], num_accepted: list[int], num_committed: list[int]) -> None:
-        """Add one verification round; one entry per request verified in it."""
+        """Add one verification round; one entry per request verified in it.
+
+        An entry with `num_drafted == 0` is a dense step of that request (one token from one dense position); it
+        counts in `rounds`, `committed` and τ, and in `dense_steps` instead of `num_drafts`.
+        """
+        lengths = Counter(num_drafted)
         self.rounds += len(num_drafted)
+        self.dense_steps += lengths[0]
+        self.num_drafts += len(num_drafted) - lengths[0]
+        for length, count in lengths.items():
+            self.draft_length_counts[length] = self.draft_length_counts.get(length, 0) + count
         self.drafted += sum(num_drafted)
         self.accepted += sum(num_accepted)
         self.committed += sum(num_committed)
@@ -64,13 +95,37 @@ class S3RStats:
             self.position_accepted.extend([0] * missing)
 
     @property
+    def num_draft_tokens(self) -> int:
+        """vLLM's name for `drafted`: draft tokens proposed."""
+        return self.drafted
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """vLLM's name for `accepted`: draft tokens accepted."""
+        return self.accepted
+
+    @property
+    def num_accepted_tokens_per_pos(self) -> list[int]:
+        """vLLM's per-position counts: drafts whose token at position `i` (0-based) was accepted."""
+        return list(self.position_accepted)
+
+    @property
     def acceptance_rate(self) -> float:
         """Accepted drafts over drafted tokens."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def mean_acceptance_length(self) -> float:
-        """τ: committed tokens per verification round (accepted drafts + the correction/bonus token)."""
+        """vLLM's mean acceptance length, `1 + num_accepted_tokens / num_drafts`: tokens a draft yields, the
+        correction or bonus token included. Dense steps are not drafts and do not count; without any draft it is
+        1.0 when dense steps ran (each commits one token) and 0.0 when nothing ran."""
+        if self.num_drafts:
+            return 1.0 + self.accepted / self.num_drafts
+        return 1.0 if self.rounds else 0.0
+
+    @property
+    def tau(self) -> float:
+        """τ: committed tokens per request-round, dense steps included (after the cut at EOS or `max_new_tokens`)."""
         return self.committed / self.rounds if self.rounds else 0.0
 
     @property
@@ -78,10 +133,13 @@ class S3RStats:
         """Probability that draft position `i` (0-based) was accepted, given that it was drafted."""
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
-    def to_dict(self) -> dict[str, float | int | list[float]]:
+    def to_dict(self) -> dict[str, Any]:
+        """Every count and summary as plain Python values (JSON-ready; `draft_length_counts` has int keys)."""
         return {
             "steps": self.steps,
             "rounds": self.rounds,
+            "num_drafts": self.num_drafts,
+            "dense_steps": self.dense_steps,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "committed": self.committed,
@@ -94,7 +152,12 @@ class S3RStats:
             "graph_captures": self.graph_captures,
             "graph_capture_seconds": self.graph_capture_seconds,
             "stage_seconds": dict(self.stage_seconds),
+            "draft_length_counts": dict(sorted(self.draft_length_counts.items())),
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": self.num_accepted_tokens_per_pos,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
+            "tau": self.tau,
             "per_position_acceptance": self.per_position_acceptance,
         }

@@ -117,6 +117,11 @@ def _record_round_per_request(stats: S3RStats, drafted: list[int], accepted: lis
     """The straightforward count `record_round` must agree with: every request, every drafted position."""
     for d, a, c in zip(drafted, accepted, committed):
         stats.rounds += 1
+        if d:
+            stats.num_drafts += 1
+        else:
+            stats.dense_steps += 1
+        stats.draft_length_counts[d] = stats.draft_length_counts.get(d, 0) + 1
         stats.drafted += d
         stats.accepted += a
         stats.committed += c

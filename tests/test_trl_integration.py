@@ -55,8 +55,11 @@ def test_two_grpo_steps_with_s3r_rollouts_log_s3r_metrics(tmp_path):
     assert len(logs) == 2, trainer.state.log_history
     for entry in logs:
         assert 0.0 <= entry["s3r/acceptance_rate"] <= 1.0
-        assert entry["s3r/drafted_tokens"] > 0 and entry["s3r/rollout_seconds"] > 0
-        assert 1.0 <= entry["s3r/mean_acceptance_length"] <= 4.0
+        assert entry["s3r/num_draft_tokens"] > 0 and entry["s3r/rollout_seconds"] > 0
+        assert entry["s3r/num_drafts"] > 0 and entry["s3r/dense_steps"] >= 0
+        assert entry["s3r/num_accepted_tokens"] <= entry["s3r/num_draft_tokens"]
+        assert entry["s3r/num_accepted_tokens_per_pos_0"] <= entry["s3r/num_drafts"]
+        assert 1.0 <= entry["s3r/mean_acceptance_length"] <= 4.0 and 1.0 <= entry["s3r/tau"] <= 4.0
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())), "no optimizer step"
 
 

@@ -51,7 +51,9 @@ STEP_KEYS = {
     "reward": "reward",
     "reward_std": "reward_std",
     "s3r/acceptance_rate": "acceptance_rate",
-    "s3r/mean_acceptance_length": "tau",
+    "s3r/tau": "tau",
+    "s3r/mean_acceptance_length": "mean_acceptance_length",
+    "s3r/dense_steps": "dense_steps",
     "s3r/rollout_seconds": "s3r_rollout_seconds",
     "s3r/graph_capture_seconds": "graph_capture_seconds",
 }
@@ -205,8 +207,8 @@ def _trainer_classes() -> tuple[type, type]:
             if "bench/completion_tokens" in logs:
                 parts.append(f"{logs['bench/completion_tokens']:.0f} tok")
             parts.append(f"reward {logs.get('reward', float('nan')):.3f}")
-            if "s3r/mean_acceptance_length" in logs:
-                parts.append(f"tau {logs['s3r/mean_acceptance_length']:.2f}")
+            if "s3r/tau" in logs:
+                parts.append(f"tau {logs['s3r/tau']:.2f}")
             print("  ".join(parts), flush=True)
             if self.on_record is not None:
                 self.on_record(step_record(state.global_step, logs))

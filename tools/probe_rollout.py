@@ -72,7 +72,7 @@ def main() -> None:
               f"prefill {stats.prefill_seconds:.2f} s, decode {stats.decode_seconds:.2f} s "
               f"(captures {stats.graph_captures}: {stats.graph_capture_seconds:.2f} s), {stats.steps} steps "
               f"({1e3 * (stats.decode_seconds - stats.graph_capture_seconds) / max(stats.steps, 1):.1f} ms each), "
-              f"tau {stats.mean_acceptance_length:.2f}")
+              f"tau {stats.tau:.2f}")
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     torch.manual_seed(args.calls)

@@ -118,7 +118,7 @@ def main() -> None:
             committed.append(out.s3r_stats.committed)
         stats = out.s3r_stats
         print(f"\n===== {mode}: steps {stats.steps}, decode {stats.decode_seconds * 1e3 / max(stats.steps, 1):.2f} "
-              f"ms/step (profiled), tau {stats.mean_acceptance_length:.2f}")
+              f"ms/step (profiled), tau {stats.tau:.2f}")
         step_count = max(steps[1] - steps[0], 1)
         table, kernel_ms = kernel_table(totals[1], totals[0], step_count, args.rows)
         print(f"unprofiled: {wall_ms:.2f} ms/step wall, {kernel_ms:.2f} ms/step of kernels, so the device runs no "

@@ -98,15 +98,26 @@ class S3RGRPOTrainer(GRPOTrainer):
         return completion_ids, logprobs
 
     def _log_s3r(self, recorder: _RolloutRecorder) -> None:
-        """S3R figures of this rollout, through TRL's own metrics (averaged and logged like TRL's)."""
+        """S3R figures of this rollout, through TRL's own metrics (averaged and logged like TRL's).
+
+        The speculative-decoding counts carry vLLM's names (`num_drafts`, `num_draft_tokens`, `num_accepted_tokens`,
+        `num_accepted_tokens_per_pos_<i>`, `mean_acceptance_length = 1 + accepted / drafts`, over request-rounds
+        that drafted); `s3r/tau` is committed tokens per request-round with dense steps included, what speed follows
+        (`S3RStats` explains the difference).
+        """
         mode = "train" if self.model.training else "eval"
         stats = recorder.stats
         metrics = self._metrics[mode]
         metrics["s3r/rollout_seconds"].append(recorder.seconds)
         metrics["s3r/acceptance_rate"].append(stats.acceptance_rate)
         metrics["s3r/mean_acceptance_length"].append(stats.mean_acceptance_length)
-        metrics["s3r/drafted_tokens"].append(float(stats.drafted))
-        metrics["s3r/accepted_tokens"].append(float(stats.accepted))
+        metrics["s3r/tau"].append(stats.tau)
+        metrics["s3r/num_drafts"].append(float(stats.num_drafts))
+        metrics["s3r/dense_steps"].append(float(stats.dense_steps))
+        metrics["s3r/num_draft_tokens"].append(float(stats.num_draft_tokens))
+        metrics["s3r/num_accepted_tokens"].append(float(stats.num_accepted_tokens))
+        for position, count in enumerate(stats.num_accepted_tokens_per_pos):
+            metrics[f"s3r/num_accepted_tokens_per_pos_{position}"].append(float(count))
         for position, rate in enumerate(stats.per_position_acceptance):
             metrics[f"s3r/acceptance_position_{position + 1}"].append(rate)
         metrics["s3r/peak_kv_pages"].append(float(stats.peak_kv_pages))

@@ -1,0 +1,62 @@
+"""`S3RStats`: vLLM's speculative-decoding counts, dense steps kept apart from drafts, and τ beside them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from s3r_hf.stats import S3RStats
+
+
+def test_vllm_counts_and_mean_acceptance_length():
+    stats = S3RStats()
+    # Three requests draft 3 tokens each; they accept 3, 1 and 0 and commit accepted + 1.
+    stats.record_round([3, 3, 3], [3, 1, 0], [4, 2, 1])
+    stats.record_round([2], [2], [3])
+    assert (stats.num_drafts, stats.dense_steps, stats.rounds) == (4, 0, 4)
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (11, 6)
+    assert stats.num_accepted_tokens_per_pos == [3, 2, 1]
+    assert stats.position_drafted == [4, 4, 3]
+    assert stats.mean_acceptance_length == pytest.approx(1 + 6 / 4)
+    assert stats.tau == pytest.approx(10 / 4)  # no dense steps and no cut: both agree
+    assert stats.acceptance_rate == pytest.approx(6 / 11)
+
+
+def test_rounds_without_drafts_are_dense_steps_not_drafts():
+    stats = S3RStats()
+    stats.record_round([4, 0, 0], [4, 0, 0], [5, 1, 1])  # two requests run a plain dense step in this round
+    stats.record_round([0, 0], [0, 0], [1, 1])
+    assert (stats.num_drafts, stats.dense_steps, stats.rounds) == (1, 4, 5)
+    assert stats.draft_length_counts == {4: 1, 0: 4}
+    # vLLM's figure describes the one draft; τ spreads the committed tokens over every request-round.
+    assert stats.mean_acceptance_length == pytest.approx(5.0)
+    assert stats.tau == pytest.approx(9 / 5)
+    assert stats.num_accepted_tokens_per_pos == [1, 1, 1, 1]
+
+
+def test_cut_at_eos_lowers_tau_not_the_mean_acceptance_length():
+    stats = S3RStats()
+    stats.record_round([3], [3], [2])  # all three drafts accepted, but the response ended at the second token
+    assert stats.mean_acceptance_length == 4.0
+    assert stats.tau == 2.0
+
+
+def test_dense_only_and_empty_runs():
+    dense = S3RStats()
+    dense.record_round([0, 0, 0], [0, 0, 0], [1, 1, 1])
+    assert (dense.num_drafts, dense.dense_steps, dense.num_draft_tokens) == (0, 3, 0)
+    assert dense.mean_acceptance_length == 1.0 and dense.tau == 1.0 and dense.acceptance_rate == 0.0
+    empty = S3RStats()
+    assert empty.mean_acceptance_length == 0.0 and empty.tau == 0.0 and empty.num_accepted_tokens_per_pos == []
+
+
+def test_to_dict_is_json_ready_and_names_every_metric():
+    stats = S3RStats()
+    stats.record_round([2, 0], [1, 0], [2, 1])
+    values = json.loads(json.dumps(stats.to_dict()))
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
+                "mean_acceptance_length", "dense_steps", "tau", "draft_length_counts"):
+        assert key in values
+    assert values["num_accepted_tokens_per_pos"] == [1, 0]
+    assert values["draft_length_counts"] == {"0": 1, "2": 1}
