@@ -112,11 +112,14 @@ class DecodeGraphs:
         count = input_ids.shape[0]
         segments = count if kind not in _BLOCK_KINDS else plan.dense.cu_seqlens.shape[0] - 1
         capacity = self.cache.index_views.capacity if kind == "sparse" else 0
-        key = self._key(kind, max(segments, bucket_floor), capacity)
+        # A block graph holds `width` queries per request: a round that drafts fewer tokens (adaptive draft
+        # lengths) replays one sized for its own blocks rather than padding every block to `draft_len + 1`.
+        width = plan.dense.max_query_len if kind in _BLOCK_KINDS else 1
+        key = self._key(kind, max(segments, bucket_floor), capacity, width)
         step = self.steps.get(key)
         if step is None:
             self._drop_stale(kind, key)
-            step = self._static_step(kind, key[1])
+            step = self._static_step(kind, key[1], width)
             self._fill(kind, step, input_ids, plan, count)
             step.graph, step.logits = self._capture(lambda: self.forward(step.input_ids, step.plan), key)
             self.steps[key] = step
@@ -130,15 +133,17 @@ class DecodeGraphs:
         return step.logits[:count].to(torch.float32, copy=True)
 
     def run_draft_phase(
-        self, phase: DraftPhase, inputs: DraftInputs, generator: torch.Generator | None
+        self, phase: DraftPhase, inputs: DraftInputs, generator: torch.Generator | None, passes: int | None = None
     ) -> DraftOutputs:
         """The round's draft passes from one replayed graph; `inputs.noise` is ignored (drawn here, in place).
 
-        The outputs are views of the graph's buffers, valid until the next draft phase of this bucket.
+        The outputs are views of the graph's buffers, valid until the next draft phase of this bucket. Each number
+        of `passes` (the round's longest draft) is a graph of its own.
         """
         count = inputs.pending.shape[0]
         capacity = self.cache.index_views.capacity
-        key = self._key("draft", count, capacity)
+        passes = self.draft_len if passes is None else passes
+        key = self._key("draft", count, capacity, passes)
         captured = self.steps.get(key)
         fresh = captured is None
         if fresh:
@@ -149,20 +154,24 @@ class DecodeGraphs:
             draw_noise(captured.inputs.noise, generator)
         if fresh:
             static = captured.inputs
-            captured.graph, captured.outputs = self._capture(lambda: phase(static, capacity, num_splits=1), key)
+            captured.graph, captured.outputs = self._capture(
+                lambda: phase(static, capacity, num_splits=1, passes=passes), key
+            )
             self.steps[key] = captured
         captured.graph.replay()
         self.replays += 1
         return DraftOutputs(tokens=captured.outputs.tokens[:count], scores=captured.outputs.scores[:count])
 
-    def _key(self, kind: str, rows: int, capacity: int) -> tuple:
-        """The bucket to replay for `rows` rows: a captured one up to `REUSE_FACTOR` times too large, else the
-        smallest that fits."""
+    def _key(self, kind: str, rows: int, capacity: int, width: int = 1) -> tuple:
+        """`(kind, bucket, capacity, width)` to replay for `rows` rows: a captured bucket up to `REUSE_FACTOR` times
+        too large, else the smallest that fits."""
         rows = min(rows, BUCKETS[-1])
         ideal = next(b for b in BUCKETS if b >= rows)
-        captured = sorted(k[1] for k in self.steps if k[0] == kind and k[2] == capacity and k[1] >= rows)
+        captured = sorted(
+            k[1] for k in self.steps if k[0] == kind and k[2] == capacity and k[3] == width and k[1] >= rows
+        )
         bucket = captured[0] if captured and captured[0] <= REUSE_FACTOR * ideal else ideal
-        return (kind, bucket, capacity)
+        return (kind, bucket, capacity, width)
 
     def _drop_stale(self, kind: str, key: tuple) -> None:
         """Index views grew (a new tensor): graphs that read the old one must not run again."""
@@ -189,7 +198,7 @@ class DecodeGraphs:
         static.block_tables.zero_()
         static.block_tables[:count, : inputs.block_tables.shape[1]].copy_(inputs.block_tables)
 
-    def _static_step(self, kind: str, bucket: int) -> _CapturedStep:
+    def _static_step(self, kind: str, bucket: int, width: int) -> _CapturedStep:
         device = self.cache.device
         long = dict(dtype=torch.long, device=device)
         int32 = dict(dtype=torch.int32, device=device)
@@ -205,7 +214,7 @@ class DecodeGraphs:
                 num_candidates=0, max_query_len=1, max_context=self.max_context, num_splits=None,
             )
         elif kind in _BLOCK_KINDS:
-            tokens = bucket * (self.draft_len + 1)
+            tokens = bucket * width
             scored = kind == "verify"
             plan = StepPlan(write_index=torch.zeros(tokens, **long), position_ids=torch.zeros(1, tokens, **long))
             plan.dense = DenseSegments(
@@ -213,8 +222,8 @@ class DecodeGraphs:
                 positions=torch.zeros(tokens, **int32), block_tables=torch.zeros(bucket + 1, self.max_pages, **int32),
                 score_starts=torch.zeros(bucket + 1, **int32) if scored else None,
                 history_lens=torch.zeros(bucket + 1, **long), num_candidates=self.max_candidates if scored else 0,
-                max_query_len=self.draft_len + 1, max_context=self.max_context,
-                max_scored_queries=self.draft_len + 1 if scored else 0, num_splits=None,
+                max_query_len=width, max_context=self.max_context,
+                max_scored_queries=width if scored else 0, num_splits=None,
             )
             return _CapturedStep(graph=None, plan=plan, input_ids=torch.zeros(1, tokens, **long))
         else:
@@ -276,8 +285,10 @@ class DecodeGraphs:
         seconds = time.perf_counter() - started
         self.captures += 1
         self.capture_seconds += seconds
-        kind, bucket, capacity = key
-        logger.info(f"captured a CUDA graph: {kind}, {bucket} rows, index views {capacity} wide, {seconds:.3f} s")
+        kind, bucket, capacity, width = key
+        logger.info(
+            f"captured a CUDA graph: {kind}, {bucket} rows of {width}, index views {capacity} wide, {seconds:.3f} s"
+        )
         return graph, outputs
 
 

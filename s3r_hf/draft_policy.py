@@ -1,0 +1,246 @@
+"""How many tokens a round drafts: the paper's fixed `k`, or `k` chosen before each round from measured costs.
+
+A round that drafts `k` tokens costs `k` sparse draft passes and one verify block of `k + 1` queries, and commits
+`E[τ(k)] = 1 + Σ_{i ≤ k} Π_{j ≤ i} α_j` tokens per request, where `α_j` is the chance that draft `j` is accepted
+once the drafts before it were. A plain dense step (`k = 0`) costs one forward and commits one token. Drafting
+pays only where `E[τ(k)] / cost(k) > 1 / cost(0)` (paper §5): where the KV reads of the running requests dominate
+the weights and the kernel launches. Small models, short contexts and the tail of a rollout, where few requests
+remain, are on the other side, and there S3R must decode as fast as dense decoding.
+
+`AdaptiveDraftLength` measures the wall time of the rounds it chose, per (batch, context) bucket and `k`, and
+estimates `α_j` from the acceptance tests it has seen; before each round it picks the `k` with the most committed
+tokens per second, and now and then probes a `k` it has not measured lately, since both costs and acceptance
+drift as contexts grow and requests finish.
+
+Exactness does not depend on the choice: `k` is fixed before the round draws its randomness, from what earlier
+rounds did, and every round is an exact speculative-sampling step for whatever `k` it runs (tests force `k` to
+vary from round to round and check the samples against the dense distribution).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """What a round's cost depends on: how many requests it runs and their mean committed context."""
+
+    rows: int
+    context: int
+
+    @property
+    def bucket(self) -> tuple[int, int]:
+        """Powers of two of both: costs within a bucket differ little, and few buckets keep probing cheap."""
+        return (max(0, math.ceil(math.log2(max(self.rows, 1)))), max(0, int(math.log2(max(self.context, 1)))))
+
+
+class DraftLengthPolicy(Protocol):
+    """Chooses the draft length of each round; told what the rounds cost and how their drafts fared."""
+
+    def choose(self, shape: RoundShape) -> int: ...
+
+    def observe_cost(self, shape: RoundShape, draft_len: int, seconds: float) -> None: ...
+
+    def observe_acceptance(self, draft_counts: list[int], accepted_counts: list[int]) -> None: ...
+
+
+class FixedDraftLength:
+    """The paper's rule: every round drafts `draft_len` tokens (`0`: the engine's dense decoding)."""
+
+    def __init__(self, draft_len: int) -> None:
+        self.draft_len = draft_len
+
+    def choose(self, shape: RoundShape) -> int:
+        return self.draft_len
+
+    def observe_cost(self, shape: RoundShape, draft_len: int, seconds: float) -> None:
+        pass
+
+    def observe_acceptance(self, draft_counts: list[int], accepted_counts: list[int]) -> None:
+        pass
+
+
+class ScriptedDraftLength(FixedDraftLength):
+    """Draft lengths taken in turn from a list, cycling (tests: the samples stay exact however `k` varies)."""
+
+    def __init__(self, draft_lens: list[int]) -> None:
+        if not draft_lens or min(draft_lens) < 0:
+            raise ValueError(f"ScriptedDraftLength needs a non-empty list of draft lengths >= 0, got {draft_lens}")
+        super().__init__(max(draft_lens))
+        self.draft_lens = list(draft_lens)
+        self.rounds = 0
+
+    def choose(self, shape: RoundShape) -> int:
+        k = self.draft_lens[self.rounds % len(self.draft_lens)]
+        self.rounds += 1
+        return k
+
+
+@dataclass
+class _BucketCosts:
+    """Recent round times of one (batch, context) bucket, per draft length, and when to probe next."""
+
+    seconds: dict[int, deque] = field(default_factory=dict)
+    last_seen: dict[int, int] = field(default_factory=dict)  # round counter of each k's latest sample
+    rounds: int = 0
+    choice: int | None = None  # the best k when last chosen
+    probe_gap: int = 0
+    next_probe: int = 0
+
+    def estimate(self, k: int) -> float | None:
+        """The lower median of the recent samples: a capture or a recompilation that slipped into one sample does
+        not move it."""
+        samples = self.seconds.get(k)
+        if not samples:
+            return None
+        return sorted(samples)[(len(samples) - 1) // 2]
+
+
+class AdaptiveDraftLength:
+    """Picks `k ∈ {0, …, max_draft_len}` before each round to maximise expected committed tokens per second.
+
+    Args:
+        max_draft_len: the largest `k` (`S3RConfig.draft_len`).
+        prior_acceptance: `α_j` assumed before any draft was verified, worth `prior_weight` observations.
+        acceptance_decay: weight kept by past acceptance counts at each observed round, so `α_j` follows the text.
+        min_probe_gap / max_probe_gap: rounds between probes of a bucket; the gap doubles while probes confirm the
+            choice and returns to the minimum when one changes it.
+        samples: round times kept per (bucket, k).
+    """
+
+    def __init__(
+        self,
+        max_draft_len: int,
+        prior_acceptance: float = 0.7,
+        prior_weight: float = 4.0,
+        acceptance_decay: float = 0.98,
+        min_probe_gap: int = 4,
+        max_probe_gap: int = 256,
+        samples: int = 5,
+    ) -> None:
+        if max_draft_len < 1:
+            raise ValueError(f"AdaptiveDraftLength needs max_draft_len >= 1, got {max_draft_len}")
+        self.max_draft_len = max_draft_len
+        self.prior_acceptance = prior_acceptance
+        self.prior_weight = prior_weight
+        self.acceptance_decay = acceptance_decay
+        self.min_probe_gap = min_probe_gap
+        self.max_probe_gap = max_probe_gap
+        self.samples = samples
+        self.reached = [0.0] * max_draft_len  # drafts at position j the acceptance test looked at
+        self.accepted = [0.0] * max_draft_len
+        self.buckets: dict[tuple[int, int], _BucketCosts] = {}
+        self.choices: dict[int, int] = {}  # how often each k was chosen (reported by the engine's stats)
+
+    # ---------------------------------------------------------------- acceptance
+    def observe_acceptance(self, draft_counts: list[int], accepted_counts: list[int]) -> None:
+        """One round's acceptance tests: request `r` drafted `draft_counts[r]` and kept `accepted_counts[r]`, so it
+        reached positions `1..min(accepted + 1, drafted)` and passed `1..accepted`."""
+        if max(draft_counts, default=0) == 0:
+            return
+        self.reached = [count * self.acceptance_decay for count in self.reached]
+        self.accepted = [count * self.acceptance_decay for count in self.accepted]
+        for drafted, accepted in zip(draft_counts, accepted_counts):
+            for position in range(min(accepted + 1, drafted, self.max_draft_len)):
+                self.reached[position] += 1
+                if position < accepted:
+                    self.accepted[position] += 1
+
+    def acceptance(self) -> list[float]:
+        """`α_j` for `j = 1..max_draft_len`: observed rates shrunk toward the prior by `prior_weight`."""
+        prior = self.prior_weight * self.prior_acceptance
+        return [(a + prior) / (r + self.prior_weight) for a, r in zip(self.accepted, self.reached)]
+
+    def expected_tokens(self, k: int) -> float:
+        """`E[τ(k)]`: tokens a round drafting `k` commits per request (the correction or bonus token included)."""
+        total, survive = 1.0, 1.0
+        for alpha in self.acceptance()[:k]:
+            survive *= alpha
+            total += survive
+        return total
+
+    # ---------------------------------------------------------------- costs
+    def observe_cost(self, shape: RoundShape, draft_len: int, seconds: float) -> None:
+        bucket = self._bucket(shape.bucket)
+        bucket.seconds.setdefault(draft_len, deque(maxlen=self.samples)).append(seconds)
+        bucket.last_seen[draft_len] = bucket.rounds
+
+    def cost_ratio(self, key: tuple[int, int], k: int) -> float | None:
+        """Estimated time of a `k`-round over a dense step's, in bucket `key` or the nearest bucket that measured
+        both; None when nothing was measured yet."""
+        for _, other in sorted(
+            ((abs(b[0] - key[0]) + abs(b[1] - key[1]), b) for b in self.buckets), key=lambda item: item[0]
+        ):
+            ratio = self._bucket_ratio(self.buckets[other], k)
+            if ratio is not None:
+                return ratio
+        return None
+
+    def _bucket_ratio(self, bucket: _BucketCosts, k: int) -> float | None:
+        """`cost(k) / cost(0)` in one bucket: measured, or linear in `k` between the nearest measured lengths (a
+        round's cost grows by one draft pass per drafted token)."""
+        dense = bucket.estimate(0)
+        if dense is None or dense <= 0:
+            return None
+        if k == 0:
+            return 1.0
+        measured = {j: bucket.estimate(j) for j in bucket.seconds if bucket.estimate(j) is not None}
+        if k in measured:
+            return measured[k] / dense
+        below = max((j for j in measured if j < k), default=None)
+        above = min((j for j in measured if j > k), default=None)
+        if above is None:  # extrapolate from the two longest measured lengths
+            longest = sorted(measured)[-2:]
+            if len(longest) < 2:
+                return None
+            below, above = longest
+        slope = (measured[above] - measured[below]) / (above - below)
+        return max(measured[below] + slope * (k - below), 1e-12) / dense
+
+    # ---------------------------------------------------------------- the choice
+    def best(self, key: tuple[int, int]) -> int | None:
+        """The `k` with the most expected tokens per unit of time in bucket `key`; None before any measurement."""
+        values = {}
+        for k in range(self.max_draft_len + 1):
+            ratio = self.cost_ratio(key, k)
+            if ratio is not None:
+                values[k] = self.expected_tokens(k) / ratio
+        if len(values) < 2:
+            return None
+        return max(values, key=lambda k: (values[k], -k))
+
+    def choose(self, shape: RoundShape) -> int:
+        key = shape.bucket
+        bucket = self._bucket(key)
+        bucket.rounds += 1
+        best = self.best(key)
+        if best is None:  # nothing to compare yet: measure a dense step, then a full round
+            k = 0 if 0 not in bucket.seconds else self.max_draft_len
+        else:
+            if best != bucket.choice:  # the evidence moved: look again soon
+                bucket.choice, bucket.probe_gap = best, 0
+                bucket.next_probe = min(bucket.next_probe, bucket.rounds + self.min_probe_gap)
+            k = self._probe(bucket, best) if bucket.rounds >= bucket.next_probe else best
+        self.choices[k] = self.choices.get(k, 0) + 1
+        return k
+
+    def _probe(self, bucket: _BucketCosts, best: int) -> int:
+        """The length next to the choice or at either end that this bucket measured longest ago (the ends first,
+        which tell most about whether drafting pays at all); the gap to the next probe doubles while the probes
+        keep confirming `best`."""
+        ends = (0, self.max_draft_len)
+        candidates = [k for k in {*ends, best - 1, best + 1} - {best} if 0 <= k <= self.max_draft_len]
+        k = min(candidates, key=lambda j: (bucket.last_seen.get(j, -1), j not in ends, j))
+        bucket.probe_gap = min(self.max_probe_gap, max(self.min_probe_gap, 2 * bucket.probe_gap))
+        bucket.next_probe = bucket.rounds + bucket.probe_gap
+        return k
+
+    def _bucket(self, key: tuple[int, int]) -> _BucketCosts:
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = _BucketCosts(next_probe=self.min_probe_gap)
+        return bucket

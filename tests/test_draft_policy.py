@@ -1,0 +1,97 @@
+"""The adaptive draft-length rule on synthetic costs and acceptance (no model: the rule alone)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from s3r_hf.draft_policy import AdaptiveDraftLength, FixedDraftLength, RoundShape, ScriptedDraftLength
+
+SHAPE = RoundShape(rows=64, context=4096)
+
+
+def _drive(policy: AdaptiveDraftLength, cost, alpha: float, rounds: int, shape: RoundShape = SHAPE, seed: int = 0):
+    """Run `rounds` rounds as the engine would: choose k, then report its cost and (for k > 0) 64 requests'
+    acceptance tests, each draft kept with probability `alpha` until the first rejection. Returns the choices."""
+    rng = random.Random(seed)
+    choices = []
+    for _ in range(rounds):
+        k = policy.choose(shape)
+        choices.append(k)
+        policy.observe_cost(shape, k, cost(k))
+        if k > 0:
+            accepted = []
+            for _ in range(64):
+                n = 0
+                while n < k and rng.random() < alpha:
+                    n += 1
+                accepted.append(n)
+            policy.observe_acceptance([k] * 64, accepted)
+    return choices
+
+
+def test_drafts_that_cost_more_than_they_return_are_not_drafted():
+    # A draft pass costs a dense step (a launch-bound small model): 7 forwards per round for ~3.7 tokens.
+    policy = AdaptiveDraftLength(6)
+    choices = _drive(policy, lambda k: 1.0 + 1.0 * k, alpha=0.8, rounds=1000)
+    assert policy.best(SHAPE.bucket) == 0
+    assert choices[-100:].count(0) >= 95
+    # Probes back off: after the first rounds, drafting rounds are a small share of the whole.
+    assert sum(1 for k in choices[50:] if k > 0) / len(choices[50:]) < 0.03
+
+
+def test_cheap_drafts_are_drafted_at_full_length():
+    policy = AdaptiveDraftLength(6)
+    choices = _drive(policy, lambda k: 1.0 + 0.05 * k, alpha=0.9, rounds=500)
+    assert policy.best(SHAPE.bucket) == 6
+    assert choices[-100:].count(6) >= 95
+
+
+def test_an_intermediate_length_wins_where_costs_and_acceptance_say_so():
+    # E[τ(k)] / cost(k) with α = 0.7 and cost 1 + 0.3 k: 1, 1.31, 1.37, 1.33, ... -> k = 2.
+    policy = AdaptiveDraftLength(6)
+    _drive(policy, lambda k: 1.0 + 0.3 * k, alpha=0.7, rounds=2000)
+    assert policy.best(SHAPE.bucket) == 2
+
+
+def test_expected_tokens_follow_the_observed_conditional_acceptance():
+    policy = AdaptiveDraftLength(3, prior_weight=0.0, acceptance_decay=1.0)
+    # Ten requests drafted 3: four kept all, three kept one, three kept none.
+    policy.observe_acceptance([3] * 10, [3] * 4 + [1] * 3 + [0] * 3)
+    # Position 1: reached by 10, passed by 7; position 2: reached by 7, passed by 4; position 3: 4 of 4.
+    assert policy.acceptance() == pytest.approx([0.7, 4 / 7, 1.0])
+    assert policy.expected_tokens(0) == 1.0
+    assert policy.expected_tokens(3) == pytest.approx(1 + 0.7 + 0.4 + 0.4)
+
+
+def test_a_new_bucket_starts_from_its_neighbours_estimate():
+    policy = AdaptiveDraftLength(6)
+    _drive(policy, lambda k: 1.0 + 1.0 * k, alpha=0.8, rounds=300)
+    # The tail of a rollout: fewer rows than any bucket measured so far. The neighbour says dense; no probe yet.
+    tail = RoundShape(rows=3, context=4096)
+    assert policy.choose(tail) == 0
+
+
+def test_costs_ignore_a_single_outlier():
+    policy = AdaptiveDraftLength(6)
+    for seconds in (1.0, 50.0, 1.1, 0.9):  # a recompilation slipped into one sample
+        policy.observe_cost(SHAPE, 0, seconds)
+    policy.observe_cost(SHAPE, 6, 2.0)
+    assert policy.cost_ratio(SHAPE.bucket, 6) == pytest.approx(2.0 / 1.0)
+
+
+def test_fixed_and_scripted_lengths():
+    assert FixedDraftLength(4).choose(SHAPE) == 4
+    scripted = ScriptedDraftLength([2, 0, 1])
+    assert [scripted.choose(SHAPE) for _ in range(5)] == [2, 0, 1, 2, 0]
+    with pytest.raises(ValueError, match="draft lengths"):
+        ScriptedDraftLength([])
+    with pytest.raises(ValueError, match="max_draft_len"):
+        AdaptiveDraftLength(0)
+
+
+def test_round_shapes_bucket_by_powers_of_two():
+    assert RoundShape(64, 4096).bucket == RoundShape(40, 5000).bucket
+    assert RoundShape(64, 4096).bucket != RoundShape(65, 4096).bucket
+    assert RoundShape(1, 0).bucket == (0, 0)
