@@ -257,11 +257,13 @@ def plot(points: list[dict], path: str) -> None:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", action="append", help="qwen3-1.7b, qwen3-8b (random weights) or a real model; "
                         "repeatable (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--batch", default="16", help="comma-separated batch sizes (requests running at once)")
+    parser.add_argument("--batch", default=None,
+                        help="comma-separated batch sizes (requests running at once; default 16)")
     parser.add_argument("--requests", type=int, default=None,
                         help="prompts per point, run at most B at a time (default: B, one fixed batch)")
     parser.add_argument("--seq", default="1024", help="comma-separated prompt lengths")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="tokens to generate (default 128; with --rollout, the --preset's)")
     parser.add_argument("--budget", default="0.05", help="comma-separated budget ratios (a sweep)")
     parser.add_argument("--refresh-interval", default="1",
                         help="comma-separated S3RConfig.refresh_interval values (a sweep; rows 's r2' for 2)")
@@ -276,7 +278,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--data", default=str(DEFAULT_DATA), help="MATH-style JSON for real-text prompts")
+    parser.add_argument("--data", default=None, help="MATH-style JSON for real-text prompts (default: "
+                        f"{DEFAULT_DATA}; with --rollout, JSON or JSONL, default: the problems shipped in s3r_hf/data)")
     parser.add_argument("--skip-generate", action="store_true", help="do not time model.generate")
     parser.add_argument("--cuda-graphs", action="store_true", help="replay single-token steps as CUDA graphs")
     parser.add_argument("--compile-layers", action="store_true",
@@ -287,10 +290,20 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", action="store_true",
                         help="also time each stage of a round (synchronizes between stages: slower, for profiling)")
     parser.add_argument("--json", help="write all results to this file")
-    parser.add_argument("--plot", help="write a PNG of speedup against context length")
+    parser.add_argument("--plot", help="write a PNG of speedup against context length (--rollout: tokens/s per mode)")
+    from s3r_hf.rollout_bench import add_rollout_arguments  # here, not at the top: rollout_bench imports this module
+
+    add_rollout_arguments(parser)
 
 
-def bench_from_args(args: argparse.Namespace) -> list[dict]:
+def bench_from_args(args: argparse.Namespace) -> list[dict] | dict:
+    if getattr(args, "rollout", False):
+        from s3r_hf.rollout_bench import rollout_from_args
+
+        return rollout_from_args(args)
+    args.batch = args.batch or "16"
+    args.max_new_tokens = args.max_new_tokens or 128
+    args.data = args.data or str(DEFAULT_DATA)
     args.budget = [float(v) for v in args.budget.split(",")]
     args.refresh_interval = [int(v) for v in str(args.refresh_interval).split(",")]
     dtype = getattr(torch, args.dtype)

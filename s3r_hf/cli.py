@@ -27,6 +27,7 @@ from .demo import (
     unit_interval,
 )
 from .models import load_model_and_tokenizer
+from .rollout_bench import RolloutUsageError
 
 
 def nonnegative_int(text: str) -> int:
@@ -182,7 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if given:
             flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
             args.subparser.error(f"{flags} need --do-sample")
-    args.handler(args)
+    try:
+        args.handler(args)
+    except RolloutUsageError as error:  # a flag or prompt source `bench --rollout` cannot use: one line, exit 2
+        args.subparser.exit(2, f"{args.subparser.prog}: error: {error}\n")
     return 0
 
 

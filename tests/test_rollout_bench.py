@@ -1,0 +1,119 @@
+"""`s3r-hf bench --rollout` on a CPU: every mode runs on the same batch and the JSON counts add up (timings are only
+checked to exist). A random shape covers forced acceptance; a tiny word-level model saved to disk covers the real
+path (chat template, EOS, responses of different lengths)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from s3r_hf.cli import build_parser, main
+from s3r_hf.rollout_bench import MODES, PRESETS, RolloutUsageError, load_problems, rollout_settings
+from tests.conftest import tiny_tokenizer, word_model
+
+ENGINE_MODES = ("ar", "s3r-fixed", "s3r-adaptive")
+SMALL = ["--min-budget", "4", "--draft-len", "3", "--dtype", "float32", "--device", "cpu"]
+
+
+def check_engine_counts(mode: str, calls: list[dict], batch: int, draft_len: int) -> None:
+    for call in calls:
+        stats = call["stats"]
+        # The first token of every response is sampled at prefill; the engine's rounds commit the rest.
+        assert stats["committed"] + batch == call["tokens"]
+        assert stats["num_drafts"] + stats["dense_steps"] == stats["rounds"]
+        assert call["prefill_s"] >= 0 and call["decode_s"] > 0 and call["seconds"] > 0
+        if mode == "ar":
+            assert stats["num_drafts"] == 0 and stats["tau"] == 1.0
+        else:
+            assert stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+            assert 1.0 <= stats["tau"] <= draft_len + 1
+
+
+def test_rollout_runs_every_mode_on_a_random_shape(tmp_path, capsys):
+    json_path, plot_path = tmp_path / "rollout.json", tmp_path / "rollout.png"
+    main(["bench", "--rollout", "--model", "qwen3-tiny", "--prompts", "2", "--generations", "2", "--seq", "16",
+          "--max-new-tokens", "10", "--calls", "2", "--acceptance", "0.9", *SMALL,
+          "--json", str(json_path), "--plot", str(plot_path)])
+    result = json.loads(json_path.read_text())
+    (point,) = result["points"]
+    assert (point["batch"], point["prompt_tokens"]["max"], point["acceptance_forced"]) == (4, 16, 0.9)
+    assert list(point["modes"]) == list(MODES)
+    for mode, run in point["modes"].items():
+        assert len(run["calls"]) == 2 and "error" not in run
+        for call in run["calls"]:  # random weights have no EOS: every response runs to max_new_tokens
+            assert call["tokens"] == 4 * 10 and call["max_length"] == 10
+        summary = run["summary"]
+        assert summary["warm_tokens_per_s"] > 0 and summary["cold_tokens_per_s"] > 0
+        if mode in ENGINE_MODES:
+            check_engine_counts(mode, run["calls"], 4, 3)
+            assert {"warm_prefill_s", "warm_decode_s", "warm_graph_capture_s", "tau"} <= set(summary)
+    assert point["modes"]["s3r-fixed"]["summary"]["num_drafts"] > 0
+    assert set(point["ratios"]["s3r-adaptive"]) == {"warm_vs_ar", "cold_vs_ar", "warm_vs_generate", "cold_vs_generate"}
+    assert plot_path.stat().st_size > 0
+    assert "speed" in capsys.readouterr().out
+
+
+def test_rollout_of_a_real_model_applies_the_chat_template_and_ends_at_eos(tmp_path):
+    model_dir, data = tmp_path / "model", tmp_path / "problems.jsonl"
+    word_model().save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    data.write_text("\n".join(json.dumps({"question": q}) for q in ["how many eggs ?", "how many books is 3 and 4 ?"]))
+    json_path = tmp_path / "rollout.json"
+    main(["bench", "--rollout", "--model", str(model_dir), "--data", str(data), "--prompts", "3", "--generations",
+          "2", "--max-new-tokens", "24", "--calls", "1", "--modes", "generate,ar,s3r-fixed", *SMALL,
+          "--json", str(json_path)])
+    (point,) = json.loads(json_path.read_text())["points"]
+    assert point["batch"] == 6 and point["acceptance_forced"] is None
+    assert point["prompt_tokens"]["min"] == 1 + 4 + 1  # "<user> how many eggs ? <assistant>"
+    for mode in ("generate", "ar", "s3r-fixed"):
+        (call,) = point["modes"][mode]["calls"]
+        # Seeded: some responses of the word model end at <eos> well before the limit, so lengths differ.
+        assert 1 <= call["mean_length"] < call["max_length"] <= 24
+        if mode != "generate":
+            check_engine_counts(mode, [call], 6, 3)
+
+
+def test_problems_come_from_json_jsonl_or_the_package(tmp_path):
+    packaged = load_problems()
+    assert len(packaged) >= 32 and all(isinstance(p, str) and p for p in packaged)
+    (tmp_path / "math.json").write_text(json.dumps([{"problem": "1 + 1?", "answer": "2"}, {"question": "2 + 2?"}]))
+    assert load_problems(str(tmp_path / "math.json")) == ["1 + 1?", "2 + 2?"]
+    (tmp_path / "gsm.jsonl").write_text('{"question": "a?"}\n\n{"question": "b?"}\n')
+    assert load_problems(str(tmp_path / "gsm.jsonl")) == ["a?", "b?"]
+    (tmp_path / "bad.json").write_text(json.dumps([{"text": "no problem field"}]))
+    with pytest.raises(RolloutUsageError, match="record 0 has no 'problem' or 'question'"):
+        load_problems(str(tmp_path / "bad.json"))
+    with pytest.raises(RolloutUsageError, match="no such file"):
+        load_problems(str(tmp_path / "missing.json"))
+    with pytest.raises(RolloutUsageError, match="not both"):
+        load_problems(str(tmp_path / "math.json"), dataset="some/id")
+
+
+def parse(*flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(["bench", "--rollout", *flags])
+
+
+def test_presets_modes_and_lengths_resolve():
+    assert rollout_settings(parse("--model", "qwen3-tiny"))["max_new_tokens"] == PRESETS["medium"]
+    assert rollout_settings(parse("--model", "qwen3-tiny", "--preset", "16k"))["max_new_tokens"] == 16384
+    assert rollout_settings(parse("--model", "qwen3-tiny", "--preset", "16k", "--max-new-tokens", "7"))[
+        "max_new_tokens"] == 7
+    settings = rollout_settings(parse("--model", "qwen3-tiny", "--skip-generate", "--seq", "64,128"))
+    assert settings["modes"] == ["ar", "s3r-fixed", "s3r-adaptive"] and settings["seqs"] == [64, 128]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--acceptance", "0.9"], "random-weight shapes only"),
+    (["--model", "qwen3-tiny", "--batch", "16"], "--batch does not apply"),
+    (["--model", "qwen3-tiny", "--modes", "ar,fast"], "--modes must name"),
+    (["--model", "qwen3-tiny", "--budget", "0.05,0.1"], "--budget takes one value"),
+    (["--model", "qwen3-tiny", "--generations", "0"], "--generations must be at least 1"),
+])
+def test_bad_flags_are_one_line_usage_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--rollout", *flags, "--device", "cpu"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and message in error
