@@ -18,6 +18,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from s3r_hf.cache.s3r_cache import S3RCache, take_plain_handoff
 from s3r_hf.kernels import get_backend
+from s3r_hf.model_session import attention_override, hold
 from s3r_hf.step_plan import StepPlan
 
 # Engine steps: no attention mask is built (transformers skips mask creation for implementations without a
@@ -130,21 +131,17 @@ def register() -> None:
 
 @contextlib.contextmanager
 def s3r_attention(model: PreTrainedModel, packed: bool = True) -> Iterator[None]:
-    """Route the model's attention through S3R for the duration of the block, then restore it.
+    """Route the model's attention through S3R for the duration of the block, in the calling thread only.
 
-    `packed=True` for engine steps (a `StepPlan` per forward), `False` for transformers' own loops.
+    `packed=True` for engine steps (a `StepPlan` per forward), `False` for transformers' own loops. The block holds
+    the model (`model_session.hold`): another thread's S3R call on it waits, and other threads' forwards keep the
+    model's own attention implementation, since the switch is a per-thread override and the config is not written.
     """
     register()
     name = PACKED_ATTENTION_NAME if packed else PLAIN_ATTENTION_NAME
     configs = {id(c): c for c in (model.config, _text_config(model.config))}.values()
-    previous = [(config, config._attn_implementation) for config in configs]
-    try:
-        for config, _ in previous:
-            config._attn_implementation = name
+    with hold(model), attention_override(configs, name):
         yield
-    finally:
-        for config, implementation in previous:
-            config._attn_implementation = implementation
 
 
 def _text_config(config):

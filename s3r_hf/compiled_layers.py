@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from s3r_hf.fused_projections import MergeIdenticalGemms, fused_projections
+from s3r_hf.model_session import owns
 from s3r_hf.validation import UnsupportedModelError
 
 # One compiled function per decoder-layer class, shared by its layers (and by every model of that class).
@@ -46,18 +47,23 @@ def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
 
 @contextlib.contextmanager
 def compiled_decoder_layers(model: PreTrainedModel) -> Iterator[None]:
-    """Run the block with every decoder layer's `forward` replaced by its compiled version, then restore it."""
+    """Run the block with every decoder layer's `forward` replaced by its compiled version, then restore it.
+
+    The replacement runs the compiled forward only in the thread holding the model for S3R (`model_session.owns`):
+    another thread's forward of the same model during the call (a dense `generate`) runs the layer's own code.
+    """
     layers = decoder_layers(model)
     saved = [(layer, layer.__dict__.get("forward")) for layer in layers]
     # `layer_idx` would otherwise be a constant of each layer's graph: one recompilation per layer.
-    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), fused_projections(layers):
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), fused_projections(layers, lambda: owns(model)):
         try:
-            for layer in layers:
+            for layer, previous in saved:
                 cls = type(layer)
                 if cls not in _compiled_forwards:
                     options = {"post_grad_custom_pre_pass": MergeIdenticalGemms()}
                     _compiled_forwards[cls] = torch.compile(cls.forward, options=options)
-                layer.forward = types.MethodType(_compiled_forwards[cls], layer)
+                eager = previous if previous is not None else types.MethodType(cls.forward, layer)
+                layer.forward = _owner_dispatch(model, types.MethodType(_compiled_forwards[cls], layer), eager)
             yield
         finally:
             for layer, previous in saved:
@@ -65,3 +71,12 @@ def compiled_decoder_layers(model: PreTrainedModel) -> Iterator[None]:
                     layer.__dict__.pop("forward", None)
                 else:
                     layer.forward = previous
+
+
+def _owner_dispatch(model: PreTrainedModel, compiled: Callable, eager: Callable) -> Callable:
+    """`compiled` in the thread running S3R on `model`, `eager` in any other thread."""
+
+    def forward(*args, **kwargs):
+        return compiled(*args, **kwargs) if owns(model) else eager(*args, **kwargs)
+
+    return forward

@@ -16,7 +16,7 @@ the call: 139 MB for SmolLM2-135M, 1.9 GB for Qwen3-1.7B in bf16.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -27,17 +27,30 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class FusedLinearSlice(torch.nn.Module):
-    """Columns `columns` of `F.linear(x, weight, bias)`, where `weight` stacks the group's linears."""
+    """Columns `columns` of `F.linear(x, weight, bias)`, where `weight` stacks the group's linears.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, columns: slice) -> None:
+    Only the S3R call's compiled layers run the fused GEMM (`active()` is true in the thread holding the model, and
+    traced code is S3R's): a forward of the same model in another thread during the call gets the `original` linear,
+    bit for bit.
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, columns: slice, original: torch.nn.Module,
+        active: Callable[[], bool],
+    ) -> None:
         super().__init__()
         self.weight = weight  # shared by the group's slices (a plain tensor: not a parameter of the model)
         self.bias = bias
         # A slice object rather than two int attributes: ints on modules are traced as symbolic sizes here.
         self.columns = columns
+        # Kept out of the module tree (a tuple, not a submodule): the model's parameter names stay as they are.
+        self.original = (original,)
+        self.active = active
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.weight, self.bias)[..., self.columns]
+        if torch.compiler.is_compiling() or self.active():
+            return F.linear(hidden_states, self.weight, self.bias)[..., self.columns]
+        return self.original[0](hidden_states)
 
 
 def _fusable(linears: list[torch.nn.Module]) -> bool:
@@ -54,9 +67,9 @@ def _fusable(linears: list[torch.nn.Module]) -> bool:
 
 
 @contextlib.contextmanager
-def fused_projections(layers: list[torch.nn.Module]) -> Iterator[None]:
-    """Within the block, replace each fusable group of the layers' linears by slices of one GEMM; the original
-    linears are put back afterwards."""
+def fused_projections(layers: list[torch.nn.Module], active: Callable[[], bool]) -> Iterator[None]:
+    """Within the block, replace each fusable group of the layers' linears by slices of one GEMM (used where
+    `active()`, see `FusedLinearSlice`); the original linears are put back afterwards."""
     swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
     try:
         with torch.no_grad():
@@ -72,7 +85,7 @@ def fused_projections(layers: list[torch.nn.Module]) -> Iterator[None]:
                         for name, linear in zip(names, linears):
                             stop = start + linear.out_features
                             swapped.append((parent, name, linear))
-                            setattr(parent, name, FusedLinearSlice(weight, bias, slice(start, stop)))
+                            setattr(parent, name, FusedLinearSlice(weight, bias, slice(start, stop), linear, active))
                             start = stop
         yield
     finally:

@@ -1,0 +1,120 @@
+"""S3R calls from several threads on one model: the model is never left changed, other threads' dense forwards stay
+dense, and concurrent S3R calls are serialized (issue 20, item 1)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import s3r_hf
+from s3r_hf import S3RConfig
+from s3r_hf.model_session import owns
+from tests.conftest import left_padded_batch, tiny_model
+
+CONFIG = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
+TIMEOUT = 120  # seconds; only reached when something is broken
+
+
+class PauseInside(StoppingCriteria):
+    """On its first call (inside the S3R call, between rounds) signals `inside` and waits for `proceed`; never stops
+    a row."""
+
+    def __init__(self) -> None:
+        self.inside = threading.Event()
+        self.proceed = threading.Event()
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if not self.inside.is_set():
+            self.inside.set()
+            self.proceed.wait(TIMEOUT)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class Call(threading.Thread):
+    """`model.generate(**kwargs)` in a thread, keeping its result or its exception."""
+
+    def __init__(self, model, **kwargs) -> None:
+        super().__init__(daemon=True)
+        self.model, self.kwargs = model, kwargs
+        self.result, self.error = None, None
+
+    def run(self) -> None:
+        try:
+            self.result = self.model.generate(**self.kwargs)
+        except Exception as error:  # reported by the test
+            self.error = error
+
+
+def _setup(seed: int, **model_overrides):
+    model = s3r_hf.enable(tiny_model("llama", seed=seed, **model_overrides))
+    input_ids, attention_mask = left_padded_batch([5, 12, 9], seed=seed + 1)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12)
+    with torch.no_grad():
+        reference = model(input_ids, attention_mask=attention_mask).logits
+    return model, kwargs, reference, model.generate(**kwargs)
+
+
+def _assert_unchanged(model, kwargs, reference, implementation="sdpa"):
+    assert model.config._attn_implementation == implementation
+    with torch.no_grad():
+        logits = model(kwargs["input_ids"], attention_mask=kwargs["attention_mask"]).logits
+    assert torch.equal(logits, reference), "a padded forward no longer matches the model's own"
+
+
+def test_paired_s3r_calls_in_threads_give_dense_output_and_leave_the_model_unchanged():
+    model, kwargs, reference, dense = _setup(seed=40)
+    for _ in range(10):
+        calls = [Call(model, s3r_config=CONFIG, **kwargs) for _ in range(2)]
+        for call in calls:
+            call.start()
+        for call in calls:
+            call.join(TIMEOUT)
+            assert call.error is None, call.error
+            assert torch.equal(call.result, dense)
+        _assert_unchanged(model, kwargs, reference)
+
+
+def test_a_second_s3r_call_waits_for_the_first():
+    model, kwargs, reference, dense = _setup(seed=42)
+    first, second = PauseInside(), PauseInside()
+    second.proceed.set()  # once it runs, the second call does not pause
+    call_a = Call(model, s3r_config=CONFIG, stopping_criteria=StoppingCriteriaList([first]), **kwargs)
+    call_b = Call(model, s3r_config=CONFIG, stopping_criteria=StoppingCriteriaList([second]), **kwargs)
+    call_a.start()
+    assert first.inside.wait(TIMEOUT)
+    call_b.start()
+    entered_alongside = second.inside.wait(1.0)
+    first.proceed.set()
+    for call in (call_a, call_b):
+        call.join(TIMEOUT)
+        assert call.error is None, call.error
+        assert torch.equal(call.result, dense)
+    assert not entered_alongside, "two S3R calls ran on one model at once"
+    _assert_unchanged(model, kwargs, reference)
+
+
+@pytest.mark.parametrize("compile_layers", [False, True])
+def test_dense_forwards_in_another_thread_during_an_s3r_call_are_dense(compile_layers):
+    """While an S3R call is between rounds, the main thread's padded forward and dense `generate` on the same model
+    are the model's own, bit for bit (with compiled layers too: they dispatch to the eager code off the S3R thread)."""
+    model, kwargs, reference, dense = _setup(seed=44 if compile_layers else 46)
+    pause = PauseInside()
+    config = S3RConfig(**{**CONFIG.to_dict(), "compile_layers": compile_layers})
+    if compile_layers:
+        torch._dynamo.reset()
+    call = Call(model, s3r_config=config, stopping_criteria=StoppingCriteriaList([pause]), **kwargs)
+    call.start()
+    try:
+        assert pause.inside.wait(TIMEOUT)
+        assert not owns(model)
+        _assert_unchanged(model, kwargs, reference)
+        assert torch.equal(model.generate(**kwargs), dense)
+    finally:
+        pause.proceed.set()
+        call.join(TIMEOUT)
+    assert call.error is None, call.error
+    assert torch.equal(call.result, dense)
+    _assert_unchanged(model, kwargs, reference)
