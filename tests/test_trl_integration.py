@@ -76,6 +76,20 @@ def test_s3r_rollouts_equal_trl_generation_with_top_k_1_and_return_dense_logprob
     assert all(abs(v) < 1e-5 for lp in logprobs for v in lp)
 
 
+def test_engine_ar_rollouts_equal_trl_generation_and_draft_nothing(tmp_path):
+    ar = make_trainer(tmp_path / "ar", top_k=1, s3r_rollout_mode="ar")
+    trl = make_trainer(tmp_path / "trl", top_k=1, use_s3r=False)
+    tokenizer = ar.processing_class
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    ours, logprobs = ar._generate_single_turn(prompt_ids, None, {}, 1)
+    theirs, _ = trl._generate_single_turn(prompt_ids, None, {}, 1)
+    assert ours == theirs
+    assert [len(lp) for lp in logprobs] == [len(c) for c in ours]
+    metrics = ar._metrics["train" if ar.model.training else "eval"]
+    assert metrics["s3r/num_drafts"] == [0.0] and metrics["s3r/dense_steps"][0] > 0
+    assert metrics["s3r/tau"] == [1.0]
+
+
 # compile_layers: the second step's rollouts run compiled layers (compiled in the first) on updated weights.
 @pytest.mark.parametrize("compile_layers", [False, True])
 def test_training_is_unchanged_by_s3r_except_through_the_samples(tmp_path, compile_layers):
@@ -96,6 +110,8 @@ def test_config_errors_name_the_problem(tmp_path):
         S3RGRPOConfig(output_dir=str(tmp_path), s3r_config={"draft_len": 0}, use_cpu=True)
     with pytest.raises(ValueError, match="JSON"):
         S3RGRPOConfig(output_dir=str(tmp_path), s3r_config="{draft_len: 3", use_cpu=True)
+    with pytest.raises(ValueError, match="s3r_rollout_mode must be one of"):
+        S3RGRPOConfig(output_dir=str(tmp_path), s3r_rollout_mode="fast", use_cpu=True)
 
 
 def test_accelerate_launch_two_cpu_processes():

@@ -4,12 +4,17 @@ Runs a few GRPO steps per rollout mode on the same model, prompts and seed, and 
 time, the generation time, completion tokens per step, tokens/s and the reward of every step:
 
 - `s3r`: `S3RGRPOTrainer` with S3R rollouts (exact sparse-draft / dense-verify speculative sampling);
+- `engine-ar`: `S3RGRPOTrainer` with `s3r_rollout_mode="ar"`: the same engine, `--s3r-config` and kernels decoding
+  densely, no drafting. Against `trl` it measures what the engine gains; `s3r` against it, what speculation adds;
 - `trl`: TRL's default generation (`model.generate` on a left-padded batch);
 - `trl-paged`: TRL's `use_transformers_continuous_batching=True` (transformers' paged continuous batching
   `generate_batch`; TRL's deprecated alias for it is `use_transformers_paged`).
 
     python tools/bench_grpo.py --max-steps 5 --per-device-batch 32 --num-generations 8 \\
         --max-completion-length 1024 --json grpo_bench.json --plot grpo_reward.png
+
+`--preset long` asks for long responses (max completion 4,096 tokens, where a rollout's tail of a few long responses
+weighs most); `--max-completion-length` overrides a preset.
 
 Every mode runs in a child process of its own (`--in-process` to share one), so one mode's crash, CUDA state
 or allocator cache never reaches the next; a failing mode is recorded with its error and the others go on.
@@ -38,7 +43,16 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATASET = REPO_ROOT.parent / "shared" / "data" / "math_train.json"
-MODES = ("s3r", "trl", "trl-paged")
+MODES = ("s3r", "engine-ar", "trl", "trl-paged")
+PRESETS = {"default": 1024, "long": 4096}
+"""`--preset` name -> max completion length (tokens)."""
+# (faster, baseline, what the ratio measures) for the speed-up lines under the table.
+COMPARISONS = (
+    ("engine-ar", "trl", "the engine's own gain"),
+    ("s3r", "engine-ar", "what speculation adds to the engine"),
+    ("s3r", "trl", "S3R over TRL's default"),
+    ("s3r", "trl-paged", "S3R over TRL's continuous batching"),
+)
 
 # Per-step keys kept from `trainer.state.log_history` (TRL's and S3RGRPOTrainer's metric names) -> short names.
 STEP_KEYS = {
@@ -78,7 +92,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--per-device-batch", type=int, default=32,
                         help="sequences per step (prompts per step = this / --num-generations)")
-    parser.add_argument("--max-completion-length", type=int, default=1024)
+    parser.add_argument("--preset", choices=list(PRESETS), default=None,
+                        help="max completion length: " + ", ".join(f"{k} {v}" for k, v in PRESETS.items()))
+    parser.add_argument("--max-completion-length", type=int, default=None,
+                        help="tokens per completion (default: the --preset's, else 1024)")
     parser.add_argument("--learning-rate", type=float, default=1e-6)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--s3r-config", default=None, help="S3RConfig fields as JSON, e.g. '{\"cuda_graphs\": true}'")
@@ -116,6 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.model = args.gguf
     if args.per_device_batch % args.num_generations:
         parser.error("--per-device-batch must be a multiple of --num-generations")
+    if args.max_completion_length is None:
+        args.max_completion_length = PRESETS[args.preset or "default"]
     return args
 
 
@@ -263,7 +282,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                 extra["transformers_continuous_batching_config"] = json.loads(args.cb_config)
         with tempfile.TemporaryDirectory(prefix="bench-grpo-") as scratch:
             config = S3RGRPOConfig(
-                output_dir=args.output_dir or scratch, use_s3r=mode == "s3r", s3r_config=args.s3r_config,
+                output_dir=args.output_dir or scratch, use_s3r=mode in ("s3r", "engine-ar"),
+                s3r_rollout_mode="ar" if mode == "engine-ar" else "s3r", s3r_config=args.s3r_config,
                 max_steps=args.max_steps, num_generations=args.num_generations,
                 per_device_train_batch_size=args.per_device_batch, max_completion_length=args.max_completion_length,
                 learning_rate=args.learning_rate, bf16=args.bf16, logging_steps=1, save_strategy="no",
@@ -384,16 +404,14 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
                _fmt(result.get("peak_gpu_gib"))]
         lines.append("| " + " | ".join(row) + " |")
     by_mode = {r["mode"]: r["summary"] for r in results if r.get("summary")}
-    if "s3r" in by_mode:
-        for other in ("trl", "trl-paged"):
-            if other not in by_mode:
-                continue
-            s3r, base = by_mode["s3r"], by_mode[other]
-            gen = base["generate_tokens_per_second_warm"] and s3r["generate_tokens_per_second_warm"] / base[
-                "generate_tokens_per_second_warm"]
-            step = base["step_tokens_per_second_warm"] and s3r["step_tokens_per_second_warm"] / base[
-                "step_tokens_per_second_warm"]
-            lines.append(f"\nS3R vs {other} (warm steps, tokens/s): generation x{_fmt(gen)}, whole step x{_fmt(step)}")
+    for faster, base, meaning in COMPARISONS:
+        if faster not in by_mode or base not in by_mode:
+            continue
+        ratios = []
+        for key in ("generate_tokens_per_second_warm", "step_tokens_per_second_warm"):
+            ratios.append(by_mode[base][key] and by_mode[faster][key] / by_mode[base][key])
+        lines.append(f"\n{faster} vs {base} ({meaning}; warm steps, tokens/s): generation x{_fmt(ratios[0])}, "
+                     f"whole step x{_fmt(ratios[1])}")
     return "\n".join(lines)
 
 

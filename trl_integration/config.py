@@ -10,6 +10,9 @@ from trl import GRPOConfig
 
 from s3r_hf.config import S3RConfig
 
+ROLLOUT_MODES = ("s3r", "ar")
+"""Values of `S3RGRPOConfig.s3r_rollout_mode`, passed to `generate` as `s3r_mode`."""
+
 
 @dataclass
 class S3RGRPOConfig(GRPOConfig):
@@ -20,6 +23,10 @@ class S3RGRPOConfig(GRPOConfig):
             Generate every rollout with S3R from the current policy; `False` falls back to TRL's own generation.
         s3r_config (`dict` or `str`, *optional*):
             `S3RConfig` fields, as a dict or a JSON string (command lines); `None` uses the paper's defaults.
+        s3r_rollout_mode (`str`, defaults to `"s3r"`):
+            `"s3r"` drafts and verifies; `"ar"` decodes densely in the same engine (same kernels, KV pool, CUDA graphs
+            and compiled layers, no drafting), a baseline that separates what the engine gains over TRL's generation
+            from what speculation adds. Both give exact samples.
     """
 
     use_s3r: bool = field(
@@ -30,9 +37,16 @@ class S3RGRPOConfig(GRPOConfig):
         default=None,
         metadata={"help": "S3RConfig fields as a dict or JSON string, e.g. '{\"draft_len\": 6}'."},
     )
+    s3r_rollout_mode: str = field(
+        default="s3r",
+        metadata={"help": "'s3r' (speculative rollouts) or 'ar' (the S3R engine's dense decoding, a baseline).",
+                  "choices": list(ROLLOUT_MODES)},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.s3r_rollout_mode not in ROLLOUT_MODES:
+            raise ValueError(f"s3r_rollout_mode must be one of {list(ROLLOUT_MODES)}, got {self.s3r_rollout_mode!r}")
         if self.use_s3r:
             self.resolved_s3r_config()  # invalid fields fail here, before any model is loaded
             if self.use_vllm:

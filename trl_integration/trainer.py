@@ -30,8 +30,9 @@ def check_sharding_supported(trainer) -> None:
 class _RolloutRecorder:
     """Routes one `model.generate` call through S3R and keeps what TRL's code path drops (stats, log-probs)."""
 
-    def __init__(self, config: S3RConfig) -> None:
+    def __init__(self, config: S3RConfig, mode: str = "s3r") -> None:
         self.config = replace(config, return_logprobs=True)
+        self.mode = mode  # `generate`'s s3r_mode: "s3r", or "ar" for the engine's dense decoding
         self.stats: S3RStats | None = None
         self.logprobs: torch.Tensor | None = None
         self.seconds = 0.0
@@ -46,7 +47,8 @@ class _RolloutRecorder:
 
         def generate(*args, **kwargs):
             started = time.perf_counter()
-            kwargs.update(custom_generate=s3r_generate, s3r_config=self.config, return_dict_in_generate=True)
+            kwargs.update(custom_generate=s3r_generate, s3r_config=self.config, s3r_mode=self.mode,
+                          return_dict_in_generate=True)
             output = original(*args, **kwargs)
             self.seconds += time.perf_counter() - started
             self.stats, self.logprobs = output.s3r_stats, output.logprobs
@@ -72,7 +74,8 @@ class S3RGRPOTrainer(GRPOTrainer):
     is routed through S3R. Plain and DDP-wrapped models are supported; DeepSpeed and FSDP get a clear error. All request
     and KV state lives inside that call and is released when it returns, before the optimizer step.
 
-    Use with `S3RGRPOConfig`; a plain `GRPOConfig` (or `use_s3r=False`) runs TRL's own generation.
+    Use with `S3RGRPOConfig`; a plain `GRPOConfig` (or `use_s3r=False`) runs TRL's own generation, and
+    `s3r_rollout_mode="ar"` the engine's dense decoding (a baseline for benchmarks).
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -88,7 +91,7 @@ class S3RGRPOTrainer(GRPOTrainer):
         if self.s3r_config is None or multimodal:  # S3R serves text-only causal LMs; TRL's path does the rest
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
-        recorder = _RolloutRecorder(self.s3r_config)
+        recorder = _RolloutRecorder(self.s3r_config, getattr(self.args, "s3r_rollout_mode", "s3r"))
         with recorder.route(self.accelerator.unwrap_model(self.model)):
             completion_ids, _ = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
