@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -110,7 +111,7 @@ class S3RConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"S3RConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:
-            _check_int(self, "seed", low=0)
+            _check_int(self, "seed", low=0, high=2**64 - 1)  # what torch.Generator.manual_seed accepts
 
     def budget(self, context_len: int) -> int:
         """Index-view size `K = min(|C|, max(min_budget, ceil(budget_ratio * |C|)))` for a context of `|C|`."""
@@ -151,8 +152,11 @@ class S3RConfig:
 def _check_int(config: S3RConfig, name: str, low: int, high: int | None = None) -> None:
     value = getattr(config, name)
     allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-    if isinstance(value, bool) or not isinstance(value, int):
+    # Any integer type (NumPy's too: `numbers.Integral`), stored as a Python int; bools are not counts.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"S3RConfig.{name} must be {allowed}, got {value!r}")
+    value = int(value)
+    setattr(config, name, value)
     if value < low or (high is not None and value > high):
         raise ValueError(f"S3RConfig.{name} must be {allowed}, got {value}")
 
@@ -162,8 +166,11 @@ def _check_float(
 ) -> None:
     value = getattr(config, name)
     allowed = f"a number in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    # Any real number type (NumPy's too: `numbers.Real`), stored as a Python float; bools are not numbers.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
         raise ValueError(f"S3RConfig.{name} must be {allowed}, got {value!r}")
+    value = float(value)
+    setattr(config, name, value)
     too_low = value <= low if low_open else value < low
     too_high = value >= high if high_open else value > high
     if too_low or too_high:

@@ -21,7 +21,10 @@ from s3r_hf.request import Request
 from s3r_hf.stats import S3RStats
 from s3r_hf.validation import (
     check_generation_config,
+    check_logits_processors,
+    check_model_inputs,
     check_model_supported,
+    check_no_active_dropout,
     check_prompt_lengths,
     context_window,
     prompt_rows,
@@ -79,6 +82,14 @@ def generate(
         raise ValueError("S3R does not support streamers yet (tokens are committed in blocks)")
     if synced_gpus:
         raise ValueError("S3R does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation) yet")
+    check_model_inputs(model_kwargs)
+    check_no_active_dropout(model)
+    check_logits_processors(logits_processor)
+    if config.return_logprobs and not generation_config.return_dict_in_generate:
+        logger.warning_once(
+            "S3RConfig(return_logprobs=True) is ignored without return_dict_in_generate=True (generate then returns "
+            "the sequences tensor only, as it ignores output_scores)"
+        )
 
     attention_mask = model_kwargs.get("attention_mask")
     prompts = prompt_rows(input_ids, attention_mask)

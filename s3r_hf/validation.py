@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+_DROPOUT_MODULES = (
+    torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+
 
 class UnsupportedModelError(ValueError):
     """The model's architecture or attention cannot run under S3R."""
@@ -60,6 +65,19 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
         raise ValueError("S3R does not support contrastive search (penalty_alpha)")
     if getattr(generation_config, "prompt_lookup_num_tokens", None) is not None:
         raise ValueError("S3R drafts with the model itself; prompt_lookup_num_tokens cannot be combined with it")
+    guidance = getattr(generation_config, "guidance_scale", None)
+    if guidance is not None and guidance != 1:
+        raise ValueError(
+            f"S3R does not support guidance_scale={guidance} (classifier-free guidance): its logits processor runs "
+            "the model on the unconditional prompt with a cache of its own, outside S3R's rounds"
+        )
+    if generation_config.return_dict_in_generate:
+        for option in ("output_attentions", "output_hidden_states"):
+            if getattr(generation_config, option, False):
+                raise ValueError(
+                    f"S3R does not support {option}=True: its forwards pack many requests' draft and verify tokens "
+                    "into one batch, so there are no per-step attentions or hidden states of the dense loop to return"
+                )
 
 
 def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
@@ -70,6 +88,7 @@ def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) ->
         raise ValueError("S3R got an empty prompt: input_ids has sequence length 0")
     if attention_mask is None:
         return list(input_ids)
+    check_attention_mask(input_ids, attention_mask)
     mask = attention_mask.to(torch.bool)
     rows = []
     for row, (ids, row_mask) in enumerate(zip(input_ids, mask)):
@@ -85,8 +104,97 @@ def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) ->
     return rows
 
 
+def check_attention_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    """The mask must say, for every entry of `input_ids`, whether it is a token (1) or padding (0)."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has shape "
+            f"{tuple(input_ids.shape)}; they must match (one mask entry per prompt token, 1 = token, 0 = padding)"
+        )
+    if attention_mask.dtype.is_complex:
+        raise ValueError(
+            f"attention_mask must hold integers, booleans or 0./1. floats, got dtype {attention_mask.dtype}"
+        )
+    if attention_mask.device != input_ids.device:
+        raise ValueError(
+            f"attention_mask is on {attention_mask.device} but input_ids is on {input_ids.device}; put both on the "
+            "same device"
+        )
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+
+
+def check_model_inputs(model_kwargs: dict) -> None:
+    """S3R generates from token ids only."""
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError(
+            "S3R does not support inputs_embeds: it generates from input_ids only (pass token ids, or generate "
+            "without s3r_config)"
+        )
+
+
+def check_no_active_dropout(model: PreTrainedModel) -> None:
+    """Refuse a model in training mode whose forwards apply dropout.
+
+    Dense sampling from such a model is stochastic in the dropout masks as well; S3R's forwards do not reproduce that
+    law (its attention kernels apply no dropout), so its samples would silently differ. TRL's `GRPOTrainer`
+    generates with the model in training mode and leaves dropout on unless `disable_dropout=True`; models without
+    dropout (most LLMs ship with zero rates) generate in training mode as they do in eval mode, and are accepted.
+    """
+    if not model.training:
+        return
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        if isinstance(module, _DROPOUT_MODULES):
+            rate, where = module.p, f"dropout module {name!r} has p={module.p}"
+        else:  # Llama-style attention modules keep their attention-dropout rate as a float
+            rate = getattr(module, "attention_dropout", 0.0)
+            where = f"{name}.attention_dropout is {rate}"
+        if isinstance(rate, (int, float)) and rate > 0:
+            raise ValueError(
+                f"S3R cannot generate with dropout active: the model is in training mode and {where}. Dense "
+                "generate would sample from the dropout-perturbed model, S3R's forwards apply no dropout, so the "
+                "samples would differ; call model.eval() before generate (or set the dropout rates to 0)"
+            )
+
+
 def context_window(model: PreTrainedModel) -> int | None:
     return getattr(text_config(model), "max_position_embeddings", None)
+
+
+# Logits processors whose output depends on more than the current scores and `input_ids` rows: they run a model or
+# keep state from one call to the next. S3R calls processors on draft and verify scores of the same prefix, in an
+# order of its own, so these would not compute what they compute in dense generate. Named by the option behind them.
+_STATEFUL_PROCESSORS = {
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale (classifier-free guidance runs the model on the "
+    "unconditional prompt, with a cache of its own)",
+    "ClassifierFreeGuidanceLogitsProcessor": "guidance_scale (batched classifier-free guidance mixes the scores of the "
+    "two halves of the batch)",
+    "DiaClassifierFreeGuidanceLogitsProcessor": "guidance_scale (classifier-free guidance mixes the scores of the two "
+    "halves of the batch)",
+    "SynthIDTextWatermarkLogitsProcessor": "watermarking_config (SynthID keeps a watermarking state across calls)",
+    "WhisperNoSpeechDetection": "the Whisper no-speech detection (it runs the model)",
+}
+
+
+def check_logits_processors(processors) -> None:
+    """Refuse logits processors that run a model or keep state across calls, where that can be seen: the known
+    transformers ones, and any processor holding a `torch.nn.Module`."""
+    for processor in processors:
+        name = type(processor).__name__
+        option = _STATEFUL_PROCESSORS.get(name)
+        if option is not None:
+            raise ValueError(f"S3R does not support {option}; generate without s3r_config for it")
+        for attribute, value in getattr(processor, "__dict__", {}).items():
+            if isinstance(value, torch.nn.Module):
+                raise ValueError(
+                    f"S3R does not support the logits processor {name}: it holds a model ({attribute}) to run on the "
+                    "side, and S3R calls processors on draft and verify scores in an order dense generate does not, "
+                    "so its results would differ"
+                )
 
 
 def check_prompt_lengths(model: PreTrainedModel, prompts: list[torch.Tensor]) -> None:

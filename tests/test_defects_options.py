@@ -1,0 +1,154 @@
+"""`generate` options and inputs S3R cannot serve exactly are refused with errors that name them, the rest behave as
+documented (issue 20, items 4-7)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
+
+import s3r_hf
+from s3r_hf import S3RConfig
+from s3r_hf.validation import prompt_rows
+from tests.conftest import left_padded_batch, tiny_model
+
+CONFIG = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
+
+
+def _model_and_batch(seed: int, kind: str = "llama", **overrides):
+    model = s3r_hf.enable(tiny_model(kind, seed=seed, **overrides))
+    input_ids, attention_mask = left_padded_batch([6, 11], seed=seed + 1)
+    return model, input_ids, attention_mask
+
+
+# ---------------------------------------------------------------- item 4: processors that run a model or keep state
+def test_classifier_free_guidance_is_refused():
+    model, input_ids, attention_mask = _model_and_batch(70)
+    with pytest.raises(ValueError, match="guidance_scale"):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, guidance_scale=1.5,
+                       s3r_config=CONFIG)
+
+
+class SideModelProcessor(LogitsProcessor):
+    """Adds the scores of a model of its own (as classifier-free guidance does)."""
+
+    def __init__(self, model) -> None:
+        self.side_model = model
+
+    def __call__(self, input_ids, scores):
+        return scores + self.side_model(input_ids).logits[:, -1]
+
+
+def test_a_processor_holding_a_model_is_refused_by_name():
+    model, input_ids, attention_mask = _model_and_batch(72)
+    processors = LogitsProcessorList([SideModelProcessor(tiny_model("llama", seed=73))])
+    with pytest.raises(ValueError, match="SideModelProcessor"):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, logits_processor=processors,
+                       s3r_config=CONFIG)
+
+
+# ---------------------------------------------------------------- item 5: training mode
+def test_training_mode_with_attention_dropout_is_refused_naming_eval():
+    model, input_ids, attention_mask = _model_and_batch(74, attention_dropout=0.1)
+    model.train()
+    with pytest.raises(ValueError, match=r"model\.eval\(\)"):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, s3r_config=CONFIG)
+    model.eval()  # the same model in eval mode applies no dropout: S3R runs and equals dense
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=12)
+    assert torch.equal(model.generate(input_ids, s3r_config=CONFIG, **kwargs), model.generate(input_ids, **kwargs))
+
+
+def test_training_mode_with_a_dropout_module_is_refused():
+    model, input_ids, attention_mask = _model_and_batch(76)
+    model.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Dropout(0.2))
+    model.train()
+    with pytest.raises(ValueError, match=r"dropout.*model\.eval\(\)"):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, s3r_config=CONFIG)
+
+
+def test_training_mode_without_dropout_generates_as_dense():
+    """TRL generates with the policy in training mode; models without dropout (SmolLM2, Qwen) keep working."""
+    model, input_ids, attention_mask = _model_and_batch(78)
+    model.train()
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=12)
+    assert torch.equal(model.generate(input_ids, s3r_config=CONFIG, **kwargs), model.generate(input_ids, **kwargs))
+
+
+# ---------------------------------------------------------------- item 6: attention mask
+@pytest.mark.parametrize("case", ["narrower", "other_batch"])
+def test_attention_mask_of_another_shape_is_refused_up_front(case):
+    model, input_ids, attention_mask = _model_and_batch(80)
+    mask = attention_mask[:, 2:] if case == "narrower" else torch.cat([attention_mask, attention_mask[:1]])
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        model.generate(input_ids, attention_mask=mask, max_new_tokens=5, s3r_config=CONFIG)
+
+
+def test_attention_mask_dtype_values_and_device_are_checked():
+    input_ids, attention_mask = left_padded_batch([3, 5], seed=82)
+    assert [len(row) for row in prompt_rows(input_ids, attention_mask.bool())] == [3, 5]
+    assert [len(row) for row in prompt_rows(input_ids, attention_mask.float())] == [3, 5]
+    with pytest.raises(ValueError, match="dtype"):
+        prompt_rows(input_ids, attention_mask.to(torch.complex64))
+    with pytest.raises(ValueError, match="only 0"):
+        prompt_rows(input_ids, attention_mask * 2)
+    with pytest.raises(ValueError, match="device"):
+        prompt_rows(input_ids, attention_mask.to("meta"))
+
+
+# ---------------------------------------------------------------- item 7: smaller items
+def test_inputs_embeds_are_refused_by_name():
+    model, input_ids, attention_mask = _model_and_batch(84)
+    embeds = model.get_input_embeddings()(input_ids)
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        model.generate(inputs_embeds=embeds, attention_mask=attention_mask, max_new_tokens=5, s3r_config=CONFIG)
+
+
+@pytest.mark.parametrize("option", ["output_hidden_states", "output_attentions"])
+def test_per_step_hidden_states_and_attentions_are_refused(option):
+    model, input_ids, attention_mask = _model_and_batch(86)
+    with pytest.raises(ValueError, match=option):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, return_dict_in_generate=True,
+                       s3r_config=CONFIG, **{option: True})
+
+
+def test_return_logprobs_without_return_dict_warns():
+    model, input_ids, attention_mask = _model_and_batch(88)
+    config = S3RConfig(**{**CONFIG.to_dict(), "return_logprobs": True})
+    with CaptureLogger(logging.get_logger("s3r_hf.generate")) as captured:
+        out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, s3r_config=config)
+    assert isinstance(out, torch.Tensor)
+    assert "return_dict_in_generate=True" in captured.out
+
+
+def test_config_takes_numpy_scalars_as_python_numbers():
+    config = S3RConfig(draft_len=np.int64(4), min_budget=np.int32(8), budget_ratio=np.float32(0.25), seed=np.uint64(7))
+    assert (config.draft_len, config.min_budget, config.seed) == (4, 8, 7)
+    assert type(config.draft_len) is int and type(config.seed) is int and type(config.budget_ratio) is float
+    with pytest.raises(ValueError, match="draft_len"):
+        S3RConfig(draft_len=np.bool_(True))
+
+
+def test_seed_range_is_what_torch_generators_take():
+    S3RConfig(seed=2**64 - 1)
+    with pytest.raises(ValueError, match="seed"):
+        S3RConfig(seed=2**70)
+    with pytest.raises(ValueError, match="seed"):
+        S3RConfig(seed=-1)
+
+
+def test_rows_that_finished_hold_zero_scores():
+    """Documented difference: dense keeps scoring rows after they finish (on the pad token), S3R returns zeros."""
+    model, input_ids, attention_mask = _model_and_batch(90, kind="qwen3")
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=20, return_dict_in_generate=True,
+                  output_scores=True)
+    dense = model.generate(input_ids, eos_token_id=None, **kwargs)
+    eos = int(dense.sequences[0, input_ids.shape[1] + 4])  # row 0 ends at step 5 on this token
+    out = model.generate(input_ids, eos_token_id=eos, s3r_config=CONFIG, **kwargs)
+    ended = (out.sequences[:, input_ids.shape[1]:] == eos).int().cumsum(dim=1)
+    finished_before = (ended - (out.sequences[:, input_ids.shape[1]:] == eos).int()) > 0
+    assert finished_before.any()
+    for step, scores in enumerate(out.scores):
+        assert bool((scores[finished_before[:, step]] == 0).all())
