@@ -32,6 +32,7 @@ from s3r_hf.scheduler import AIMDConcurrency
 from s3r_hf.staging import start_host_copy, to_device
 from s3r_hf.stats import S3RStats
 from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
+from s3r_hf.stopping import BatchStopping
 
 logger = logging.get_logger(__name__)
 
@@ -359,6 +360,7 @@ class S3REngine:
             request.committed = request.prompt_len
             logprob = logprobs[row] if logprobs is not None else None
             self._commit(request, first_tokens[row], scores, row, logits, row, logprob)
+        self._stopping_step()
         self.refresh_views(plan, finals, finished, [r.prompt_len for r in finished])
 
     def prefill_forward(self, requests: list[Request]):
@@ -507,11 +509,9 @@ class S3REngine:
             if self.mode != "ar":  # the host's copy of what the device's rebuild or extension set
                 request.view_len = self.config.budget(request.committed) if refresh else request.view_len + accepted + 1
         logprobs = logprobs.tolist() if logprobs is not None else None
-        # Scores, logits and stopping criteria are read token by token; without them a row's block is committed
-        # in one go, which at B=64 saves a few hundred Python calls per round while the device waits.
-        per_token = (
-            self.sampling.output_scores or self.sampling.output_logits or len(self.sampling.stopping_criteria) > 0
-        )
+        # Scores and logits are read token by token; without them a row's block is committed in one go, which at
+        # B=64 saves a few hundred Python calls per round while the device waits.
+        per_token = self.sampling.output_scores or self.sampling.output_logits
         committed_counts = []
         for row, request in enumerate(requests):
             proposals = draft_list[row][: accepted_list[row]] + [next_list[row]]
@@ -527,6 +527,7 @@ class S3REngine:
             else:
                 count = self._commit_block(request, proposals, row_logprobs)
             committed_counts.append(count)
+        self._stopping_step()
         self.stats.steps += 1
         self.stats.record_round(draft_counts, accepted_list, committed_counts)
         self._stage_done("commit", started)
@@ -791,35 +792,30 @@ class S3REngine:
         logits_row: int,
         logprob: float | None,
     ) -> bool:
-        """Append one generated token; returns True when the request stops on it.
+        """Append one generated token; returns True when the request stops on it (EOS or `max_new_tokens`; the
+        stopping criteria see the whole batch after the commit, `_stopping_step`).
 
         The token's processed scores are `scores[scores_row]` and its raw logits `logits[logits_row]`; they are
-        indexed only when an output or a stopping criterion reads them, since a tensor index per committed token
-        is host time the round otherwise does not spend.
+        indexed only when an output reads them, since a tensor index per committed token is host time the round
+        otherwise does not spend.
         """
         request.append(token)
         request.pending = token
-        token_scores = None
-        if self.sampling.output_scores or len(self.sampling.stopping_criteria) > 0:
-            token_scores = scores[scores_row]
         if self.sampling.output_scores:
-            request.scores.append(token_scores.detach().clone())
+            request.scores.append(scores[scores_row].detach().clone())
         if self.sampling.output_logits:
             request.raw_logits.append(logits[logits_row].detach().clone())
         if logprob is not None:
             request.logprobs.append(logprob)
         stop = self._reached_end(request, token)
-        if not stop and len(self.sampling.stopping_criteria) > 0:
-            history = request.history[None].to(token_scores.device)
-            stop = bool(self.sampling.stopping_criteria(history, token_scores[None]).any())
         if stop:
             request.status = RequestStatus.FINISHED
         return stop
 
     def _commit_block(self, request: Request, proposals: list[int], logprobs: list[float] | None) -> int:
         """Append a round's block of tokens at once, stopping where `_commit` token by token would: after the first
-        EOS, or at `max_new_tokens`. Only for rounds without per-token consumers (scores, logits, stopping
-        criteria). Returns how many tokens were committed."""
+        EOS, or at `max_new_tokens`. Only for rounds without per-token consumers (scores, logits). Returns how many
+        tokens were committed."""
         eos_token_ids = self.sampling.eos_token_ids
         block = proposals[: max(1, request.remaining)]  # `_commit` appends a token before it checks the limit
         if not eos_token_ids.isdisjoint(block):
@@ -836,6 +832,12 @@ class S3REngine:
     def _reached_end(self, request: Request, last_token: int) -> bool:
         """The stop rule both commit paths share: EOS was committed, or `max_new_tokens` is used up."""
         return last_token in self.sampling.eos_token_ids or request.remaining <= 0
+
+    def _stopping_step(self) -> None:
+        """After a commit: the stopping criteria and the streamer get every step all unfinished rows have reached,
+        with the whole batch, as dense `generate` calls them (`BatchStopping`; it may cut rows back and end them)."""
+        if isinstance(self.sampling.stopping_criteria, BatchStopping):
+            self.sampling.stopping_criteria.advance()
 
     def refresh_views(self, plan: StepPlan, segments: list[int], requests: list[Request], contexts: list[int]):
         """New index views `R ∪ TopK` from the scores the dense forward recorded (DESIGN §4 step 4), for requests

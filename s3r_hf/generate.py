@@ -16,9 +16,11 @@ from s3r_hf.cache.page_allocator import KVCapacityError
 from s3r_hf.cache.s3r_cache import S3RCache, page_bytes
 from s3r_hf.config import S3RConfig
 from s3r_hf.engine import S3REngine, SamplingSetup
+from s3r_hf.generate_kwargs import check_not_synced, dropped_generate_arguments, stop_strings_as_criterion
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.request import Request
 from s3r_hf.stats import S3RStats
+from s3r_hf.stopping import BatchStopping
 from s3r_hf.validation import (
     check_generation_config,
     check_logits_processors,
@@ -78,10 +80,9 @@ def generate(
     config = S3RConfig.coerce(s3r_config)
     check_model_supported(model)
     check_generation_config(generation_config)
-    if streamer is not None:
-        raise ValueError("S3R does not support streamers yet (tokens are committed in blocks)")
-    if synced_gpus:
-        raise ValueError("S3R does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation) yet")
+    dropped = dropped_generate_arguments()  # transformers 5.x does not pass these to a callable custom_generate
+    streamer = streamer if streamer is not None else dropped.get("streamer")
+    check_not_synced(model, synced_gpus or dropped.get("synced_gpus"))
     check_model_inputs(model_kwargs)
     check_no_active_dropout(model)
     check_logits_processors(logits_processor)
@@ -108,15 +109,7 @@ def generate(
     custom_criteria = StoppingCriteriaList(
         c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))
     )
-    sampling = SamplingSetup(
-        logits_processor=RaggedLogitsProcessor(logits_processor, batch_size=input_ids.shape[0]),
-        greedy=greedy,
-        eos_token_ids=eos_ids,
-        stopping_criteria=custom_criteria,
-        generator=generator,
-        output_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
-        output_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
-    )
+    output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
 
     padded_len = input_ids.shape[1]
     max_new = generation_config.max_length - padded_len
@@ -133,7 +126,21 @@ def generate(
         requests.append(
             Request(row=row, prompt_ids=prompt.cpu(), tokens=tokens, length=padded_len, max_new_tokens=limit)
         )
+    # Criteria and streamer are fed whole-batch steps as dense generate feeds them (EOS and max length: the engine).
+    stopping = BatchStopping(
+        custom_criteria, requests, input_ids, _pad_token_id(generation_config), streamer=streamer, scores=output_scores
+    )
+    sampling = SamplingSetup(
+        logits_processor=RaggedLogitsProcessor(logits_processor, batch_size=input_ids.shape[0]),
+        greedy=greedy,
+        eos_token_ids=eos_ids,
+        stopping_criteria=stopping,
+        generator=generator,
+        output_scores=output_scores,
+        output_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
+    )
     if max_new <= 0:
+        stopping.end()
         return _assemble(input_ids, requests, generation_config, S3RStats(), config)
 
     cache = S3RCache(
@@ -147,7 +154,10 @@ def generate(
     engine = S3REngine(
         model, config, sampling, cache, mode=s3r_mode, forced_acceptance=s3r_forced_acceptance, timing=s3r_timing
     )
-    stats = engine.run(requests)
+    try:
+        stats = engine.run(requests)
+    finally:
+        stopping.end()  # also after a failure, so that a streamer's consumer does not wait forever
     return _assemble(input_ids, requests, generation_config, stats, config)
 
 
@@ -184,10 +194,14 @@ def _free_device_memory(device: torch.device) -> int | None:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
+def _pad_token_id(generation_config: GenerationConfig) -> int:
+    pad = generation_config._pad_token_tensor
+    return int(pad) if pad is not None else 0
+
+
 def _assemble(input_ids, requests, generation_config, stats, config) -> S3RGenerateOutput | torch.LongTensor:
     """Pack results the way `generate` does: prompt rows, then generated tokens padded with the pad token."""
-    pad = generation_config._pad_token_tensor
-    pad_id = int(pad) if pad is not None else 0
+    pad_id = _pad_token_id(generation_config)
     width = max((len(r.generated) for r in requests), default=0)
     generated = torch.full((len(requests), width), pad_id, dtype=torch.long, device=input_ids.device)
     for request in requests:
@@ -240,6 +254,7 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
             raise ValueError("pass either s3r_config or custom_generate to generate, not both")
         if kwargs.get("assistant_model") is not None:
             raise ValueError("S3R drafts with the model itself; assistant_model cannot be combined with s3r_config")
+        kwargs = stop_strings_as_criterion(model, kwargs)  # transformers would drop the tokenizer they need
         return original_generate(*args, custom_generate=generate, s3r_config=s3r_config, **kwargs)
 
     model.generate = generate_with_s3r

@@ -84,3 +84,13 @@ class Request:
         self._token_array[self.length : end] = tokens
         self.length = end
         self.generated.extend(tokens)
+
+    def truncate(self, count: int) -> None:
+        """Keep only the first `count` generated tokens (and their log-probs, scores and logits): a stopping
+        criterion ended the response at token `count` after the engine had already committed more."""
+        dropped = len(self.generated) - count
+        if dropped <= 0:
+            return
+        self.length -= dropped
+        del self.generated[count:], self.logprobs[count:], self.scores[count:], self.raw_logits[count:]
+        self.pending = self.generated[-1] if self.generated else None

@@ -1,0 +1,81 @@
+"""`generate` arguments that transformers does not pass to a callable `custom_generate`, and how S3R gets them.
+
+transformers 5.x calls a callable `custom_generate` with the arguments of its own sampling loop and the
+callable's extra keywords only; `streamer`, `synced_gpus` and `tokenizer` are dropped on the way
+(`GenerationMixin._extract_generation_mode_kwargs`). S3R recovers them as follows:
+
+- `streamer` and `synced_gpus` are still arguments of transformers' `generate` frame, which is on the stack when
+  it calls S3R: `dropped_generate_arguments` reads them there (transformers has already streamed the prompt).
+- `tokenizer` is gone by then, and transformers needs it earlier, to build `StopStringCriteria` for
+  `stop_strings`. `s3r_hf.enable`'s `generate` builds that criterion itself before calling transformers
+  (`stop_strings_as_criterion`). With `custom_generate=s3r_hf.generate` and no `enable`, `stop_strings` is refused
+  by transformers itself ("could not locate a tokenizer").
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.generation.utils import GenerationMixin
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from transformers.integrations.fsdp import is_fsdp_managed_module
+
+# The code object of transformers' own `generate` (under its decorators), to find its frame on the stack.
+_GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
+_MAX_FRAMES = 16  # S3R's `generate` is called by transformers' directly; a few wrappers in between at most
+
+
+def dropped_generate_arguments() -> dict[str, Any]:
+    """`streamer` and `synced_gpus` of the transformers `generate` call that is calling S3R ({} if none is)."""
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        if frame.f_code is _GENERATE_CODE:
+            arguments = frame.f_locals
+            return {name: arguments.get(name) for name in ("streamer", "synced_gpus")}
+        frame = frame.f_back
+    return {}
+
+
+def check_not_synced(model: PreTrainedModel, synced_gpus: bool | None) -> None:
+    """Refuse `synced_gpus` (set, or implied as transformers implies it: DeepSpeed ZeRO-3 or FSDP over several
+    processes), where every process must keep running forwards until all are done."""
+    if synced_gpus is None:
+        synced_gpus = (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)) and _world_size() > 1
+    if synced_gpus:
+        raise ValueError(
+            "S3R does not support synced_gpus=True (DeepSpeed ZeRO-3 / FSDP generation, where every process must "
+            "keep running forwards until all have finished); generate without s3r_config, or on an unsharded model"
+        )
+
+
+def _world_size() -> int:
+    distributed = torch.distributed
+    return distributed.get_world_size() if distributed.is_available() and distributed.is_initialized() else 1
+
+
+def stop_strings_as_criterion(model: PreTrainedModel, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """For `enable`'s `generate`: turn `stop_strings` (from the call, its `generation_config` or the model's) and
+    `tokenizer` into a `StopStringCriteria` in `stopping_criteria`, which does reach S3R. Returns the new kwargs;
+    without a tokenizer they are unchanged (and transformers refuses stop strings as dense generate does)."""
+    tokenizer = kwargs.get("tokenizer")
+    if tokenizer is None:
+        return kwargs
+    stop_strings = kwargs.get("stop_strings")
+    if stop_strings is None:
+        for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+            stop_strings = getattr(config, "stop_strings", None)
+            if stop_strings is not None:
+                break
+    if not stop_strings:
+        return kwargs
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    # `stop_strings=None` outranks the generation configs, so transformers does not build (and fail on) its own.
+    return {**kwargs, "stopping_criteria": criteria, "stop_strings": None}

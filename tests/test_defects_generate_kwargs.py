@@ -1,0 +1,117 @@
+"""`streamer`, `stop_strings` with `tokenizer`, and `synced_gpus` reach S3R although transformers 5.x does not pass
+them to a callable `custom_generate` (issue 20, item 3)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, TextIteratorStreamer
+from transformers.generation.streamers import BaseStreamer
+
+import s3r_hf
+from s3r_hf import S3RConfig
+from tests.conftest import left_padded_batch, tiny_model, tiny_tokenizer, word_model
+
+CONFIG = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
+
+
+class RecordingStreamer(BaseStreamer):
+    """Keeps every `put` (as a list) and whether `end` was called."""
+
+    def __init__(self) -> None:
+        self.puts: list[list] = []
+        self.ended = False
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("route", ["enable", "custom_generate"])
+@pytest.mark.parametrize("lengths", [[13], [6, 17, 11]])
+def test_streamer_gets_the_prompt_each_step_and_end_as_in_dense(route, lengths):
+    """The prompt (from transformers), then each step's tokens `[B]` (finished rows padded), then `end()`."""
+    model = tiny_model("qwen3", seed=60)
+    input_ids, attention_mask = left_padded_batch(lengths, seed=61)
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=25)
+    dense_streamer, s3r_streamer = RecordingStreamer(), RecordingStreamer()
+    dense = model.generate(input_ids, streamer=dense_streamer, **kwargs)
+    if route == "enable":
+        out = s3r_hf.enable(model).generate(input_ids, streamer=s3r_streamer, s3r_config=CONFIG, **kwargs)
+    else:
+        out = model.generate(input_ids, streamer=s3r_streamer, custom_generate=s3r_hf.generate, s3r_config=CONFIG,
+                             **kwargs)
+    assert torch.equal(out, dense)
+    assert s3r_streamer.puts == dense_streamer.puts
+    assert s3r_streamer.ended and dense_streamer.ended
+
+
+def test_text_iterator_streamer_consumer_gets_the_text_and_returns():
+    """A `TextIteratorStreamer` consumer in another thread reads the generated text to the end (it used to block
+    forever: the streamer got the prompt only, never `end()`)."""
+    tokenizer = tiny_tokenizer()
+    model = s3r_hf.enable(word_model(seed=62))
+    input_ids = tokenizer("<user> how many books ? <assistant>", return_tensors="pt").input_ids
+    texts = {}
+    for name, extra in (("dense", {}), ("s3r", {"s3r_config": CONFIG})):
+        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
+        call = threading.Thread(target=model.generate, daemon=True, kwargs=dict(
+            input_ids=input_ids, do_sample=False, max_new_tokens=30, streamer=streamer, **extra))
+        call.start()
+        texts[name] = "".join(streamer)  # raises queue.Empty after the timeout if the stream never ends
+        call.join(60)
+    assert texts["s3r"] == texts["dense"]
+    assert texts["dense"].strip()
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character (what `StopStringCriteria` needs to map tokens to text), built offline;
+    `<unk>` (0) pads, `<eos>` is 1."""
+    vocab = {"<unk>": 0, "<eos>": 1, **{chr(code): code - 30 for code in range(32, 127)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", pad_token="<unk>")
+
+
+def test_stop_strings_with_tokenizer_stop_where_dense_stops():
+    tokenizer = char_tokenizer()
+    model = s3r_hf.enable(tiny_model("llama", seed=63, vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=1))
+    batch = tokenizer(["how many eggs?", "the books cost 5 dollars."], return_tensors="pt", padding=True,
+                      padding_side="left")
+    kwargs = dict(attention_mask=batch.attention_mask, do_sample=False, max_new_tokens=30)
+    free = model.generate(batch.input_ids, **kwargs)[:, batch.input_ids.shape[1]:]
+    stop_string = tokenizer.decode(free[1, 7:9])  # two characters row 1 writes after 9 tokens
+    kwargs.update(stop_strings=[stop_string], tokenizer=tokenizer)
+    dense = model.generate(batch.input_ids, **kwargs)
+    out = model.generate(batch.input_ids, s3r_config=CONFIG, **kwargs)
+    assert torch.equal(out, dense)
+    assert dense.shape[1] < batch.input_ids.shape[1] + 30, "the stop string was meant to end generation early"
+
+
+def test_stop_strings_through_custom_generate_are_refused_by_transformers():
+    """Documented: without `enable`, transformers drops the tokenizer before S3R runs and refuses stop strings."""
+    tokenizer = tiny_tokenizer()
+    model = word_model(seed=64)
+    input_ids = tokenizer("<user> how many books ? <assistant>", return_tensors="pt").input_ids
+    with pytest.raises(ValueError, match="tokenizer"):
+        model.generate(input_ids, max_new_tokens=5, stop_strings=["books"], tokenizer=tokenizer,
+                       custom_generate=s3r_hf.generate, s3r_config=CONFIG)
+
+
+@pytest.mark.parametrize("route", ["enable", "custom_generate"])
+def test_synced_gpus_is_refused(route):
+    model = tiny_model("llama", seed=65)
+    input_ids, attention_mask = left_padded_batch([5, 8], seed=66)
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=5, synced_gpus=True, s3r_config=CONFIG)
+    if route == "custom_generate":
+        kwargs["custom_generate"] = s3r_hf.generate
+    else:
+        model = s3r_hf.enable(model)
+    with pytest.raises(ValueError, match="synced_gpus"):
+        model.generate(input_ids, **kwargs)
