@@ -61,10 +61,6 @@ class BatchStopping:
             )
             self.input_ids[:, : self.prompt_width] = input_ids
 
-    def __len__(self) -> int:
-        """The number of criteria, as for a `StoppingCriteriaList`."""
-        return len(self.criteria)
-
     @property
     def active(self) -> bool:
         return len(self.criteria) > 0 or self.streamer is not None
