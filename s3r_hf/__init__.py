@@ -8,6 +8,7 @@ from s3r_hf.cache import KVCapacityError, S3RCache
 from s3r_hf.candidate_generator import SparseSelfDraftCandidateGenerator, assisted_generate
 from s3r_hf.config import S3RConfig
 from s3r_hf.generate import S3RGenerateOutput, enable, generate
+from s3r_hf.runtime_state import release
 from s3r_hf.stats import S3RStats
 from s3r_hf.validation import UnsupportedModelError
 
@@ -24,4 +25,5 @@ __all__ = [
     "assisted_generate",
     "enable",
     "generate",
+    "release",
 ]

@@ -19,7 +19,14 @@ class S3RConfig:
 
     Args:
         draft_len (`int`, defaults to 6):
-            Tokens the sparse drafter proposes per round (`k`); the correction or bonus token is extra.
+            Tokens the sparse drafter proposes per round (`k`); the correction or bonus token is extra. With
+            `adaptive=True` the largest `k` a round may draft.
+        adaptive (`bool`, defaults to `True`):
+            Choose each round's draft length `k ∈ {0, …, draft_len}` from the round costs measured during the call
+            and the acceptance seen so far, to commit the most tokens per second; `k = 0` is a plain dense step, so
+            where drafting cannot pay (small models, short contexts, the last few requests of a rollout) S3R decodes
+            as the dense engine does. `False` drafts `draft_len` tokens every round, as the paper does. The samples
+            are exact either way.
         budget_ratio (`float`, defaults to 0.05):
             Fraction `s` of a request's committed context that each (layer, KV head) index view keeps.
         min_budget (`int`, defaults to 192):
@@ -67,6 +74,7 @@ class S3RConfig:
     """
 
     draft_len: int = 6
+    adaptive: bool = True
     budget_ratio: float = 0.05
     min_budget: int = 192
     refresh_interval: int = 1
@@ -107,7 +115,7 @@ class S3RConfig:
         _check_float(self, "utilization_low", low=0.0, high=1.0)
         _check_float(self, "utilization_high", low=self.utilization_low, high=1.0)
         _check_int(self, "restore_backlog_threshold", low=0)
-        for name in ("cuda_graphs", "compile_layers", "return_logprobs"):
+        for name in ("adaptive", "cuda_graphs", "compile_layers", "return_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"S3RConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:

@@ -110,6 +110,7 @@ class AdaptiveDraftLength:
         min_probe_gap / max_probe_gap: rounds between probes of a bucket; the gap doubles while probes confirm the
             choice and returns to the minimum when one changes it.
         samples: round times kept per (bucket, k).
+        lengths: the draft lengths it may choose (default: all of `0..max_draft_len`).
     """
 
     def __init__(
@@ -121,10 +122,14 @@ class AdaptiveDraftLength:
         min_probe_gap: int = 4,
         max_probe_gap: int = 256,
         samples: int = 5,
+        lengths: tuple[int, ...] | None = None,
     ) -> None:
         if max_draft_len < 1:
             raise ValueError(f"AdaptiveDraftLength needs max_draft_len >= 1, got {max_draft_len}")
         self.max_draft_len = max_draft_len
+        self.lengths = tuple(sorted(set(lengths))) if lengths is not None else tuple(range(max_draft_len + 1))
+        if self.lengths[0] != 0 or self.lengths[-1] != max_draft_len:
+            raise ValueError(f"AdaptiveDraftLength lengths must include 0 and {max_draft_len}, got {lengths}")
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
         self.acceptance_decay = acceptance_decay
@@ -205,7 +210,7 @@ class AdaptiveDraftLength:
     def best(self, key: tuple[int, int]) -> int | None:
         """The `k` with the most expected tokens per unit of time in bucket `key`; None before any measurement."""
         values = {}
-        for k in range(self.max_draft_len + 1):
+        for k in self.lengths:
             ratio = self.cost_ratio(key, k)
             if ratio is not None:
                 values[k] = self.expected_tokens(k) / ratio
@@ -233,7 +238,7 @@ class AdaptiveDraftLength:
         which tell most about whether drafting pays at all); the gap to the next probe doubles while the probes
         keep confirming `best`."""
         ends = (0, self.max_draft_len)
-        candidates = [k for k in {*ends, best - 1, best + 1} - {best} if 0 <= k <= self.max_draft_len]
+        candidates = [k for k in {*ends, best - 1, best + 1} - {best} if k in self.lengths]
         k = min(candidates, key=lambda j: (bucket.last_seen.get(j, -1), j not in ends, j))
         bucket.probe_gap = min(self.max_probe_gap, max(self.min_probe_gap, 2 * bucket.probe_gap))
         bucket.next_probe = bucket.rounds + bucket.probe_gap
@@ -242,5 +247,18 @@ class AdaptiveDraftLength:
     def _bucket(self, key: tuple[int, int]) -> _BucketCosts:
         bucket = self.buckets.get(key)
         if bucket is None:
-            bucket = self.buckets[key] = _BucketCosts(next_probe=self.min_probe_gap)
+            # A new bucket (the batch shrank, contexts grew) starts as confident as its nearest measured neighbour:
+            # where the neighbour's probes kept confirming its choice, the first probe here waits as long.
+            gap = self.min_probe_gap
+            if self.buckets:
+                nearest = min(self.buckets, key=lambda b: abs(b[0] - key[0]) + abs(b[1] - key[1]))
+                gap = max(gap, self.buckets[nearest].probe_gap)
+            bucket = self.buckets[key] = _BucketCosts(probe_gap=gap // 2, next_probe=gap)
         return bucket
+
+
+def adaptive_for(max_draft_len: int) -> AdaptiveDraftLength:
+    """The engine's adaptive rule: a dense step or a full-length round. Every other length would be CUDA graphs of its
+    own (a draft phase and a verify block per batch bucket), each capture costing dozens of rounds' worth of time in
+    a call, for a gain over the nearer end that the measured costs rarely show."""
+    return AdaptiveDraftLength(max_draft_len, lengths=(0, max_draft_len))

@@ -23,6 +23,7 @@ from s3r_hf.compiled_layers import compiled_decoder_layers
 from s3r_hf.config import S3RConfig
 from s3r_hf.cuda_graphs import DecodeGraphs
 from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase
+from s3r_hf.draft_policy import DraftLengthPolicy, FixedDraftLength, RoundShape, adaptive_for
 from s3r_hf.kernels import get_backend
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.model_forward import ModelForward
@@ -74,11 +75,12 @@ class _Verified(NamedTuple):
 
 @dataclass
 class _PrelaunchedStep:
-    """Engine AR: the next dense step's forward, launched before the host read this step's tokens
-    (`S3REngine._prelaunch_dense_step`)."""
+    """The next dense step's forward, launched before the host read this step's tokens
+    (`S3REngine._prelaunch_dense_step`); `scored` when it records the scores of an index-view refresh."""
 
     requests: list[Request]
     verified: _Verified
+    scored: bool = False
 
 
 def _launched_rows(launched: list[Request], requests: list[Request]) -> list[int | None]:
@@ -103,6 +105,8 @@ class S3REngine:
             ratio test, so random-weight models can time the cost side of a given acceptance pattern.
         timing: synchronize the device around prefill and decoding and record their wall time in the stats;
             `"stages"` also times each stage of a round (`S3RStats.stage_seconds`; adds synchronizations).
+        draft_policy: chooses each round's draft length (`draft_policy.py`); by default `AdaptiveDraftLength` when
+            `config.adaptive`, else the fixed `config.draft_len` (`0` in mode `"ar"`).
     """
 
     MODES = ("s3r", "ar", "unverified")
@@ -116,6 +120,7 @@ class S3REngine:
         mode: str = "s3r",
         forced_acceptance: float | None = None,
         timing: bool | str = False,
+        draft_policy: DraftLengthPolicy | None = None,
     ) -> None:
         if mode not in self.MODES:
             raise ValueError(f"engine mode must be one of {self.MODES}, got {mode!r}")
@@ -142,6 +147,13 @@ class S3REngine:
         self._prelaunched_step: _PrelaunchedStep | None = None  # engine AR's counterpart
         self._may_prelaunch = False
         self._rounds_since_refresh = 0  # rounds whose views were only extended (`S3RConfig.refresh_interval`)
+        self.policy = draft_policy if draft_policy is not None else self.default_policy(config, mode)
+        self._round_k = 0  # the draft length of the round being planned or run
+        self._next_k: int | None = None  # the next round's draft length, when chosen while this round ran
+        # Dense steps (k = 0) neither score nor extend the index views; a round that drafts after them first runs
+        # one scored dense step to rebuild the views (a refresh step).
+        self._views_stale = False
+        self._timed_round: tuple[RoundShape, int, float, float] | None = None  # (shape, k, start, capture seconds)
         self._captured_before_stage = 0.0  # capture seconds already counted when the current stage began
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         # The round's draft passes run as one device-side program unless a logits processor reads the history
@@ -183,13 +195,15 @@ class S3REngine:
                     phase_started, phase = self._end_phase(phase, phase_started), step_kind
                 if prefilling:
                     self._prefill_step(prefilling)
+                    self._timed_round = None  # the interval around a prefill step is no round's cost
                 else:
+                    self._round_k = self._choose_draft_len(running)
                     self._make_room_for_round(running, paused)
                     # With stage timing every stage stays apart.
                     self._may_prelaunch = self.timing != "stages"
                     # A profiler marker (tools/profile_engine.py counts the kernels launched after the first one).
                     with torch.profiler.record_function("s3r_hf.decode_round"):
-                        self._round(running)
+                        self._round(running, self._round_k)
                 for request in [r for r in running if r.status is RequestStatus.FINISHED]:
                     running.remove(request)
                     self.cache.release(request.slot)
@@ -415,29 +429,64 @@ class S3REngine:
         return plan, finals, [chunks[i][0] for i in finals], logits
 
     # ================================================================ one S3R round
+    @staticmethod
+    def default_policy(config: S3RConfig, mode: str) -> DraftLengthPolicy:
+        """The draft-length rule of `mode`: dense decoding never drafts, the unverified drafter always drafts
+        `draft_len` (it commits drafts only), exact S3R adapts unless `config.adaptive` is off."""
+        if mode == "ar":
+            return FixedDraftLength(0)
+        if mode == "s3r" and config.adaptive:
+            return adaptive_for(config.draft_len)
+        return FixedDraftLength(config.draft_len)
+
+    def _shape(self, requests: list[Request]) -> RoundShape:
+        return RoundShape(rows=len(requests), context=sum(r.committed for r in requests) // max(len(requests), 1))
+
+    def _choose_draft_len(self, requests: list[Request]) -> int:
+        """This round's draft length: the one chosen while the previous round ran (its drafts may already be on the
+        device), else the policy's choice now. The time since the previous round began is that round's cost."""
+        now = time.perf_counter()
+        if self._timed_round is not None:
+            shape, k, started, captured = self._timed_round
+            if captured == self._capture_seconds():  # an interval with a CUDA-graph capture in it is no round's cost
+                self.policy.observe_cost(shape, k, now - started)
+        self._timed_round = None
+        k, self._next_k = self._next_k, None
+        return self.policy.choose(self._shape(requests)) if k is None else k
+
     def _draft_count(self, request: Request) -> int:
         """Drafts this round: `max_new_tokens` shortens the last block (the round adds drafts + 1 tokens)."""
-        return self._draft_count_for(request.remaining)
+        return self._draft_count_for(request.remaining, self._round_k)
 
-    def _draft_count_for(self, remaining: int | torch.Tensor) -> int | torch.Tensor:
-        """Drafts of a round that starts with `remaining` tokens left to generate (an int on the host, or a tensor
-        of them on the device: the same rule either way). A round adds its drafts plus one token, so S3R drafts at
-        most `remaining - 1`; the unverified drafter commits its drafts only."""
-        most = 0 if self.mode == "ar" else self.config.draft_len
+    def _draft_count_for(self, remaining: int | torch.Tensor, most: int) -> int | torch.Tensor:
+        """Drafts of a round of draft length `most` that starts with `remaining` tokens left to generate (an int on
+        the host, or a tensor of them on the device: the same rule either way). A round adds its drafts plus one
+        token, so S3R drafts at most `remaining - 1`; the unverified drafter commits its drafts only."""
         limit = remaining if self.mode == "unverified" else remaining - 1
         if isinstance(limit, torch.Tensor):
             return limit.clamp(min=0, max=most)
         return max(0, min(most, limit))
 
-    def _round(self, requests: list[Request]) -> None:
+    def _round(self, requests: list[Request], k: int) -> None:
+        """One round of draft length `k` for every running request: draft, verify, accept, refresh, commit. `k = 0`
+        is a dense step; if the views went stale in dense steps, a `k > 0` round runs as a refresh step first (a
+        scored dense step that rebuilds them) and drafts `k` in the round after it."""
         if not requests:
             return
+        refresh_step = k > 0 and self._views_stale and self.mode != "ar"
+        if refresh_step:
+            self._next_k, k = k, 0
+        self._round_k = k
+        self._timed_round = None if refresh_step else (self._shape(requests), k, time.perf_counter(),
+                                                       self._capture_seconds())
         started = 0.0
         if self.timing == "stages":
             started = self._clock()
             self._captured_before_stage = self._capture_seconds()
         draft_counts = [self._draft_count(r) for r in requests]
-        refresh = self._rounds_since_refresh + 1 >= self.config.refresh_interval
+        # The views are refreshed from this verify's scores, extended by its committed tokens, or left as they are.
+        refresh = refresh_step or (k > 0 and self._rounds_since_refresh + 1 >= self.config.refresh_interval)
+        extend = k > 0 and not refresh
         prelaunched = self._take_prelaunched(requests, draft_counts)
         if prelaunched is not None:  # drafted while the host read and committed the previous round
             draft_counts, tables, draft_tokens, draft_scores = prelaunched
@@ -447,8 +496,8 @@ class S3REngine:
             draft_tokens, draft_scores = self._draft(requests, draft_counts, tables)
         max_drafts = max(draft_counts, default=0)
         started = self._stage_done("draft", started)
-        verified = self._take_prelaunched_step(requests)
-        if verified is None:
+        verified = self._take_prelaunched_step(requests, scored=refresh)
+        if verified is None or k > 0:
             verified = self._verify(requests, draft_counts, draft_tokens, tables, scored=refresh)
         plan, logits, block_starts, target_scores = verified
         started = self._stage_done("verify", started)
@@ -471,7 +520,7 @@ class S3REngine:
         decision = torch.cat([num_accepted[:, None], next_tokens[:, None], draft_tokens[:, :max_drafts]], dim=1)
         read_decision = start_host_copy(decision)
         started = self._stage_done("accept", started)
-        if self.mode != "ar":  # dense decoding never drafts, so it keeps no index views
+        if refresh or extend:
             committed, remaining = self._tensor([[r.committed for r in requests], [r.remaining for r in requests]])
             contexts = committed + num_accepted + 1  # K/V of the pending token and the accepted drafts are valid
             # Views of requests that finish this round are rebuilt too (harmless: their slots are released after it).
@@ -481,6 +530,9 @@ class S3REngine:
             else:
                 next_view_width = self._extend_views(requests, committed, contexts, max_drafts + 1)
             self._rounds_since_refresh = 0 if refresh else self._rounds_since_refresh + 1
+            self._views_stale = False
+        else:  # a dense step: the views miss its token until the next refresh
+            self._views_stale = True
         logprobs = None
         if self.config.return_logprobs:  # queued before an early draft phase overwrites the draft buffers
             # Token committed at each block offset: the accepted drafts, then the correction/bonus token.
@@ -488,11 +540,19 @@ class S3REngine:
             proposed = torch.cat([draft_tokens, spare], dim=1)[:, : target_scores.shape[1]]
             proposed[torch.arange(len(requests), device=self.device), num_accepted] = next_tokens
             logprobs = self._logprobs(target_scores, proposed)
-        if self._may_prelaunch and self.draft_phase is not None:
-            left = remaining - (num_accepted + 1)
-            self._prelaunch(requests, draft_counts, next_tokens, contexts, left, next_view_width)
-        if self._may_prelaunch and self.mode == "ar" and self.sampling.logits_processor.history_free:
-            self._prelaunch_dense_step(requests, next_tokens, draft_tokens)
+        if self._may_prelaunch:
+            # The next round's draft length, chosen now from what the rounds before this one cost, so its work can be
+            # queued behind this round's before the host reads the decision.
+            if self._next_k is None:
+                self._next_k = self.policy.choose(self._shape(requests))
+            drafts_next = self._next_k > 0 and not self._views_stale
+            if drafts_next and self.draft_phase is not None:
+                left = remaining - (num_accepted + 1)
+                self._prelaunch(requests, draft_counts, next_tokens, contexts, left, next_view_width, self._next_k)
+            elif not drafts_next and k == 0 and self.sampling.logits_processor.history_free:
+                # A dense step after a dense step (its lengths are known on the host), scored when it is the refresh
+                # step before drafting resumes.
+                self._prelaunch_dense_step(requests, next_tokens, draft_tokens, scored=self._next_k > 0)
         started = self._stage_done("refresh", started)
         decision = read_decision().tolist()
         accepted_list = [row[0] for row in decision]
@@ -500,14 +560,18 @@ class S3REngine:
         draft_list = [row[2:] for row in decision]
         if self._prelaunched is not None:  # the counts the device computed, as the host computes them
             self._prelaunched.draft_counts = [
-                self._draft_count_for(r.remaining - (a + 1)) for r, a in zip(requests, accepted_list)
+                self._draft_count_for(r.remaining - (a + 1), self._next_k) for r, a in zip(requests, accepted_list)
             ]
         for request, accepted in zip(requests, accepted_list):
             request.committed += accepted + 1
             # Pages past the new length stay reserved: an early draft phase may be writing into them.
             self.cache.set_length(request.slot, request.committed, release_pages=False)
-            if self.mode != "ar":  # the host's copy of what the device's rebuild or extension set
-                request.view_len = self.config.budget(request.committed) if refresh else request.view_len + accepted + 1
+            if refresh:  # the host's copy of what the device's rebuild or extension set
+                request.view_len = self.config.budget(request.committed)
+            elif extend:
+                request.view_len += accepted + 1
+        if max_drafts > 0 and self.mode == "s3r":  # a forced acceptance pattern is what its rounds accept, too
+            self.policy.observe_acceptance(draft_counts, accepted_list)
         logprobs = logprobs.tolist() if logprobs is not None else None
         # Scores and logits are read token by token; without them a row's block is committed in one go, which at
         # B=64 saves a few hundred Python calls per round while the device waits.
@@ -543,7 +607,9 @@ class S3REngine:
                 [[r.pending for r in requests], [r.committed for r in requests], draft_counts]
             ).unbind(0)
             view_width = max(r.view_len for r in requests)
-            drafts = self._run_draft_phase(requests, pending, committed, counts, tables, view_width, max_drafts)
+            drafts = self._run_draft_phase(
+                requests, pending, committed, counts, tables, view_width, max_drafts, self._round_k
+            )
             return drafts.tokens, drafts.scores
         draft_tokens = torch.zeros(len(requests), max(max_drafts, 1), dtype=torch.long, device=self.device)
         draft_scores = torch.zeros(len(requests), max(max_drafts, 1), self.vocab_size, device=self.device)
@@ -561,18 +627,20 @@ class S3REngine:
         contexts: torch.Tensor,
         remaining: torch.Tensor,
         view_width: int,
+        next_k: int,
     ) -> None:
-        """Queue the next round's draft phase before the host reads this round's decision: its pending tokens
-        (`next_tokens`), committed lengths (`contexts`) and draft counts (from `remaining`, the tokens each request
-        has left after this round) are device tensors, and its pages are reserved here for the longest round the
-        decision could lead to. `view_width` bounds the rebuilt index views (the top-K of this round's verify).
+        """Queue the next round's draft phase (draft length `next_k`) before the host reads this round's decision:
+        its pending tokens (`next_tokens`), committed lengths (`contexts`) and draft counts (from `remaining`, the
+        tokens each request has left after this round) are device tensors, and its pages are reserved here for the
+        longest round the decision could lead to. `view_width` bounds the rebuilt index views (the top-K of this
+        round's verify).
 
         Requests that finish in this round (EOS, `max_new_tokens`, a stopping criterion) are drafted for too and
         dropped from the outputs in the next round (`_take_prelaunched`); their writes go to their own reserved
         pages or the scratch row. Skipped when those pages do not fit without pausing someone.
         """
         # A request that accepts no draft has the most tokens left, so the most drafts next round.
-        most_drafts = [self._draft_count_for(r.remaining - 1) for r in requests]
+        most_drafts = [self._draft_count_for(r.remaining - 1, next_k) for r in requests]
         if max(most_drafts, default=0) == 0:
             return
         ends = [
@@ -582,8 +650,10 @@ class S3REngine:
         if not self._reserve_if_fits(requests, ends):
             return
         tables = self.cache.block_tables([r.slot for r in requests])
-        counts = self._draft_count_for(remaining)
-        drafts = self._run_draft_phase(requests, next_tokens, contexts, counts, tables, view_width, max(most_drafts))
+        counts = self._draft_count_for(remaining, next_k)
+        drafts = self._run_draft_phase(
+            requests, next_tokens, contexts, counts, tables, view_width, max(most_drafts), next_k
+        )
         self._prelaunched = _PrelaunchedDrafts(list(requests), tables, drafts)  # `requests` is mutated later
 
     def _take_prelaunched(self, requests: list[Request], draft_counts: list[int]):
@@ -608,8 +678,11 @@ class S3REngine:
         gather = self._tensor([row if ok else 0 for row, ok in zip(rows, covered)])  # uncovered rows: ignored
         return counts, self.cache.block_tables([r.slot for r in requests]), tokens[gather], scores[gather]
 
-    def _prelaunch_dense_step(self, requests: list[Request], next_tokens: torch.Tensor, zeros: torch.Tensor) -> None:
-        """Engine AR: queue the next step's dense forward before the host reads this step's tokens. Every request
+    def _prelaunch_dense_step(
+        self, requests: list[Request], next_tokens: torch.Tensor, zeros: torch.Tensor, scored: bool
+    ) -> None:
+        """Queue the next dense step's forward (`scored`: a refresh step's) before the host reads this step's
+        tokens. Every request
         commits exactly one token per step, so the next step's lengths and pages are known on the host, and its
         input tokens are `next_tokens` on the device; the host reads and commits while the device runs it (the
         same overlap the S3R draft phase gets from `_prelaunch`, so the baseline is not held back by host time).
@@ -620,20 +693,24 @@ class S3REngine:
             return
         tables = self.cache.block_tables([r.slot for r in requests])
         committed = [r.committed + 1 for r in requests]
-        verified = self._verify(requests, [0] * len(requests), zeros, tables, committed=committed, pending=next_tokens)
-        self._prelaunched_step = _PrelaunchedStep(list(requests), verified)  # `requests` is mutated later
+        verified = self._verify(
+            requests, [0] * len(requests), zeros, tables, committed=committed, pending=next_tokens, scored=scored
+        )
+        self._prelaunched_step = _PrelaunchedStep(list(requests), verified, scored)  # `requests` is mutated later
 
-    def _take_prelaunched_step(self, requests: list[Request]) -> _Verified | None:
-        """This step's forward from `_prelaunch_dense_step`, for the rows of `requests`; None when there is none or
-        a request joined since (then the step runs again for all)."""
+    def _take_prelaunched_step(self, requests: list[Request], scored: bool) -> _Verified | None:
+        """This step's forward from `_prelaunch_dense_step`, for the rows of `requests`; None when there is none,
+        it is not the kind of step this one is (`scored`), or a request joined since (then the step runs again)."""
         launched, self._prelaunched_step = self._prelaunched_step, None
-        if launched is None:
+        if launched is None or launched.scored != scored:
             return None
         rows = _launched_rows(launched.requests, requests)
         if None in rows:
             return None
         if rows == list(range(len(launched.requests))):
             return launched.verified
+        if scored:  # its scores are laid out by the launched rows; the refresh would read other requests' segments
+            return None
         keep = self._tensor(rows)  # one query per request, so a request's row is its logits row too
         plan, logits, _, target_scores = launched.verified
         return _Verified(plan, logits[keep], list(range(len(rows) + 1)), target_scores[keep])
@@ -647,14 +724,16 @@ class S3REngine:
         tables: torch.Tensor,
         view_width: int,
         passes: int,
+        round_k: int,
     ) -> DraftOutputs:
         """Every draft pass of the round on the device, from device tensors of its pending tokens, committed
-        lengths and draft counts: one graph replay, or the same program run eagerly (`passes` passes over index
+        lengths and draft counts: one graph replay (the round's draft length `round_k` passes, so the last rounds
+        of a request replay the graph of the others), or the same program run eagerly (`passes` passes over index
         views at most `view_width` long)."""
         slots = self._tensor([r.slot for r in requests])
         inputs = DraftInputs(pending, committed, counts, slots, tables, noise=None)
         if self.graphs is not None and self.graphs.supports_draft_phase(len(requests)):
-            return self.graphs.run_draft_phase(self.draft_phase, inputs, self.sampling.generator)
+            return self.graphs.run_draft_phase(self.draft_phase, inputs, self.sampling.generator, passes=round_k)
         noise = self.draft_phase.noise_buffer(len(requests), self.device)
         inputs.noise = None if noise is None else draw_noise(noise, self.sampling.generator)
         return self.draft_phase(inputs, view_width, passes=passes)

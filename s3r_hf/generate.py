@@ -15,10 +15,12 @@ from transformers.utils import logging
 from s3r_hf.cache.page_allocator import KVCapacityError
 from s3r_hf.cache.s3r_cache import S3RCache, page_bytes
 from s3r_hf.config import S3RConfig
+from s3r_hf.draft_policy import DraftLengthPolicy
 from s3r_hf.engine import S3REngine, SamplingSetup
 from s3r_hf.generate_kwargs import check_not_synced, dropped_generate_arguments, stop_strings_as_criterion
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.request import Request
+from s3r_hf.runtime_state import adaptive_policy
 from s3r_hf.stats import S3RStats
 from s3r_hf.stopping import BatchStopping
 from s3r_hf.validation import (
@@ -62,6 +64,7 @@ def generate(
     s3r_mode: str = "s3r",
     s3r_forced_acceptance: float | None = None,
     s3r_timing: bool | str = False,
+    s3r_draft_policy: DraftLengthPolicy | None = None,
     **model_kwargs,
 ) -> S3RGenerateOutput | torch.LongTensor:
     """S3R decoding method for `model.generate(..., custom_generate=s3r_hf.generate, s3r_config=...)`.
@@ -76,6 +79,8 @@ def generate(
     exactness tests can tell the difference), `s3r_forced_acceptance=p` fixes the acceptance pattern of
     random-weight models (NOT exact), `s3r_timing=True` records device-synchronized prefill and decode
     times, `s3r_timing="stages"` also the time of each stage of a round (draft, verify, accept, refresh).
+    `s3r_draft_policy` replaces the rule that chooses each round's draft length (`s3r_hf.draft_policy`; tests use
+    it to vary `k` from round to round).
     """
     config = S3RConfig.coerce(s3r_config)
     check_model_supported(model)
@@ -152,7 +157,8 @@ def generate(
         device=device,
     )
     engine = S3REngine(
-        model, config, sampling, cache, mode=s3r_mode, forced_acceptance=s3r_forced_acceptance, timing=s3r_timing
+        model, config, sampling, cache, mode=s3r_mode, forced_acceptance=s3r_forced_acceptance, timing=s3r_timing,
+        draft_policy=s3r_draft_policy if s3r_draft_policy is not None else _kept_policy(model, config, s3r_mode),
     )
     try:
         stats = engine.run(requests)
@@ -192,6 +198,12 @@ def _free_device_memory(device: torch.device) -> int | None:
         return None
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def _kept_policy(model: PreTrainedModel, config: S3RConfig, mode: str) -> DraftLengthPolicy | None:
+    """Exact S3R with adaptive draft lengths continues from the costs and acceptance earlier calls measured on this
+    model (`runtime_state.py`); other modes use the engine's own rule."""
+    return adaptive_policy(model, config) if mode == "s3r" and config.adaptive else None
 
 
 def _pad_token_id(generation_config: GenerationConfig) -> int:

@@ -101,8 +101,8 @@ def view_checks(monkeypatch):
         S3REngine._round, S3REngine._rebuild_views, S3REngine._extend_views
     )
 
-    def checked_round(self, requests):
-        original_round(self, requests)
+    def checked_round(self, requests, k):
+        original_round(self, requests, k)
         views = self.cache.index_views
         for request in requests:
             if request.status is RequestStatus.FINISHED:
@@ -111,7 +111,8 @@ def view_checks(monkeypatch):
             assert length == request.view_len
             positions = views.positions[:, request.slot, :, :length]
             assert bool((positions[..., 1:] > positions[..., :-1]).all()), "a view is not sorted"
-            assert bool((positions[..., -1] == request.committed - 1).all()), "a view misses the latest token"
+            if not self._views_stale:  # after a dense step the views wait for the next refresh
+                assert bool((positions[..., -1] == request.committed - 1).all()), "a view misses the latest token"
 
     def counted(name, original):
         def wrapper(self, *args, **kwargs):

@@ -15,7 +15,7 @@ from s3r_hf.request import Request, RequestStatus
 from s3r_hf.stats import S3RStats
 from tests.conftest import left_padded_batch, tiny_model
 
-SMALL_BUDGET = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
+SMALL_BUDGET = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
 
 
 def _request(max_new_tokens: int, generated: int) -> Request:

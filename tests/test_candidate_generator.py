@@ -8,7 +8,7 @@ import s3r_hf
 from s3r_hf import S3RConfig
 from tests.conftest import left_padded_batch, tiny_model
 
-CONFIG = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
+CONFIG = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
 
 
 def test_assisted_loop_greedy_matches_dense(model_kind):

@@ -22,7 +22,7 @@ def test_compiled_layers_greedy_match_dense_and_are_removed_afterwards():
     model = s3r_hf.enable(tiny_model("llama", seed=31, num_hidden_layers=3).to(DEVICE))
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([5, 17, 33, 9], seed=32))
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=20)
-    config = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, compile_layers=True,
+    config = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, compile_layers=True,
                        cuda_graphs=DEVICE.type == "cuda")
     torch._dynamo.reset()
     out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=20,
@@ -53,7 +53,7 @@ def test_compiled_layers_run_qkv_and_gate_up_as_one_gemm_each():
     linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
     input_ids, attention_mask = left_padded_batch([5, 11], seed=34)
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=8)
-    config = S3RConfig(draft_len=2, budget_ratio=0.2, min_budget=2, page_size=4, compile_layers=True)
+    config = S3RConfig(adaptive=False, draft_len=2, budget_ratio=0.2, min_budget=2, page_size=4, compile_layers=True)
     torch._dynamo.reset()
     out, sources = run_and_get_code(lambda: model.generate(
         input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=8, s3r_config=config))
@@ -87,7 +87,7 @@ def test_compiled_layers_follow_weight_updates_between_calls():
     model = s3r_hf.enable(tiny_model("qwen3", seed=35, num_hidden_layers=2).to(DEVICE))
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([7, 12, 20], seed=36))
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=16)
-    config = S3RConfig(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, compile_layers=True,
+    config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, compile_layers=True,
                        cuda_graphs=DEVICE.type == "cuda")
     before = model.generate(input_ids, s3r_config=config, **kwargs)
     assert torch.equal(before, model.generate(input_ids, **kwargs))

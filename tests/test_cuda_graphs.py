@@ -40,7 +40,7 @@ def test_greedy_with_cuda_graphs_matches_dense_on_cuda():
     input_ids, attention_mask = (t.cuda() for t in left_padded_batch([9, 30, 17, 41, 5], seed=32))
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=40)
     dense = model.generate(input_ids, **kwargs)
-    config = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, cuda_graphs=True)
+    config = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, cuda_graphs=True)
     out = model.generate(input_ids, s3r_config=config, **kwargs)
     assert torch.equal(out, dense)
     assert out.s3r_stats.drafted > out.s3r_stats.accepted

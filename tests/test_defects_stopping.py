@@ -13,7 +13,7 @@ from s3r_hf.request import RequestStatus
 from s3r_hf.stopping import BatchStopping
 from tests.conftest import left_padded_batch, tiny_model
 
-CONFIG = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
+CONFIG = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
 
 
 class StopOnOwnToken(StoppingCriteria):

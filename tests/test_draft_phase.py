@@ -36,7 +36,7 @@ def test_draft_phase_matches_per_pass_drafting(monkeypatch):
     input_ids, attention_mask = left_padded_batch([13, 40, 7, 28], seed=6)
     # max_new_tokens not a multiple of the block: the last rounds draft fewer tokens for some requests.
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=23, return_dict_in_generate=True,
-                  s3r_config=S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4))
+                  s3r_config=S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4))
     phase = model.generate(input_ids, **kwargs)
     assert phase_calls and not pass_calls
     phase_calls.clear()

@@ -95,3 +95,13 @@ def test_round_shapes_bucket_by_powers_of_two():
     assert RoundShape(64, 4096).bucket == RoundShape(40, 5000).bucket
     assert RoundShape(64, 4096).bucket != RoundShape(65, 4096).bucket
     assert RoundShape(1, 0).bucket == (0, 0)
+
+
+def test_the_engine_rule_chooses_between_a_dense_step_and_a_full_round():
+    from s3r_hf.draft_policy import adaptive_for
+
+    policy = adaptive_for(6)
+    choices = _drive(policy, lambda k: 1.0 + 0.3 * k, alpha=0.7, rounds=300)
+    assert set(choices) <= {0, 6}
+    with pytest.raises(ValueError, match="must include 0"):
+        AdaptiveDraftLength(6, lengths=(1, 6))

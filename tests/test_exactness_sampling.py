@@ -34,6 +34,7 @@ import torch
 
 import s3r_hf
 from s3r_hf import S3RConfig
+from s3r_hf.draft_policy import ScriptedDraftLength
 from tests.exact_distribution import (
     count_continuations,
     exact_continuation_distribution,
@@ -52,7 +53,7 @@ CHUNK = 5_000  # num_return_sequences per generate call
 # near G ~ 180, so fewer samples than for S3R suffice (and fewer samples only make the power check harder).
 UNVERIFIED_SAMPLES = 2_500
 # Budget ~5% of the context, at least one position: 1–2 positions per (layer, KV head) for a ~25-token context.
-S3R = dict(draft_len=2, budget_ratio=0.05, min_budget=1, page_size=4)
+S3R = dict(adaptive=False, draft_len=2, budget_ratio=0.05, min_budget=1, page_size=4)
 
 DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
 # How the engine runs its forwards: eagerly; replaying CUDA graphs; replaying graphs of compiled decoder layers.
@@ -90,7 +91,7 @@ def setup():
 
 def _sample(
     model, prompt, sampling: dict, samples: int, seed: int, unverified: bool = False, graphs: str = "eager",
-    refresh_interval: int = 1,
+    refresh_interval: int = 1, policy=None,
 ):
     """`samples` continuations drawn in chunks of `CHUNK` rows; returns (sequences, drafted, accepted, per-position)."""
     prompt = prompt.to(model.device)
@@ -107,6 +108,7 @@ def _sample(
             return_dict_in_generate=True,
             s3r_config=S3RConfig(**S3R, seed=seed + chunk, refresh_interval=refresh_interval, **RUNTIMES[graphs]),
             s3r_mode="unverified" if unverified else "s3r",
+            s3r_draft_policy=policy,
             **sampling,
         )
         sequences.append(out.sequences.cpu())
@@ -174,6 +176,27 @@ def test_s3r_samples_follow_exact_dense_distribution(setup, case, graphs, refres
     assert 0.05 < rate < 0.95, f"acceptance rate {rate:.3f} ({accepted}/{drafted})"
     for position, (d, a) in enumerate(zip(position_drafted, position_accepted)):
         assert 0 < a < d, f"draft position {position}: {a} of {d} accepted"
+
+
+@pytest.mark.parametrize("graphs", GRAPHS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_s3r_samples_stay_exact_when_the_draft_length_varies(setup, case, graphs):
+    """Adaptive speculation's claim: any draft length chosen before a round from what earlier rounds did keeps the
+    samples exact. The policy switches between dense steps (which leave the views stale), refresh steps, and
+    rounds of one and two drafts, so samples mix all of them."""
+    model, sampler, prompt = setup
+    sampling = CASES[case]
+    probs, _ = exact_continuation_distribution(model, prompt, NEW_TOKENS, sampling_warpers(**sampling))
+    policy = ScriptedDraftLength([0, 2, 1, 0, 0, 2])
+    sequences, drafted, accepted, *_ = _sample(sampler, prompt, sampling, S3R_SAMPLES, seed=7, graphs=graphs,
+                                               policy=policy)
+    results, counts = _tests(sequences, probs)
+    message = _describe(results, counts, probs)
+    print(f"\n[{case}, {DEVICE.type}, {graphs}, varying k] acceptance {accepted}/{drafted}\n{message}")
+    for name, result in results.items():
+        assert result["impossible"] == 0, f"S3R sampled outcomes the dense model cannot produce ({name})\n{message}"
+        assert result["p_value"] > 1e-3, f"S3R samples are not distributed as dense sampling ({name})\n{message}"
+    assert 0 < accepted < drafted and policy.rounds >= 6
 
 
 @pytest.mark.parametrize("graphs", GRAPHS)

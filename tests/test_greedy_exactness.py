@@ -14,7 +14,7 @@ from s3r_hf.cache.s3r_cache import page_bytes
 from tests.conftest import left_padded_batch, tiny_model
 
 # Budgets small enough that drafts really get rejected: 10% of the context, at least 2 positions.
-SMALL_BUDGET = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
+SMALL_BUDGET = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
 
 
 def test_greedy_matches_dense_generate_on_ragged_batch(model_kind):
@@ -36,7 +36,7 @@ def test_greedy_with_custom_generate_hook_and_chunked_prefill():
     model = tiny_model("qwen3", seed=1)
     input_ids, attention_mask = left_padded_batch([40, 7, 26, 12], seed=3)
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=30)
-    config = S3RConfig(draft_len=3, budget_ratio=0.05, min_budget=3, page_size=8, prefill_chunk_size=16)
+    config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.05, min_budget=3, page_size=8, prefill_chunk_size=16)
     out = model.generate(
         input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=30,
         custom_generate=s3r_hf.generate, s3r_config=config,
@@ -117,7 +117,7 @@ def test_outputs_scores_and_logprobs_match_dense():
         output_scores=True, output_logits=True,
     )
     dense = model.generate(input_ids, **kwargs)
-    config = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4, return_logprobs=True)
+    config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4, return_logprobs=True)
     out = model.generate(input_ids, s3r_config=config, **kwargs)
     assert isinstance(out, s3r_hf.S3RGenerateOutput)
     assert torch.equal(out.sequences, dense.sequences)
@@ -141,7 +141,7 @@ def test_kv_pressure_pauses_and_resumes_requests(refresh_interval, view_checks):
     input_ids, attention_mask = left_padded_batch([20, 22, 24, 26], seed=14)
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40)
     # Room for about two requests at full length: the others wait or are paused (offloaded) and resumed.
-    config = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, num_pages=36,
+    config = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, num_pages=36,
                        refresh_interval=refresh_interval)
     out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40,
                          s3r_config=config)
@@ -158,7 +158,8 @@ def test_admission_counts_prompt_pages_that_chunked_prefill_has_not_reserved_yet
     input_ids, attention_mask = left_padded_batch([40, 40, 40, 40], seed=15)
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12)
     # About three prompts fit (12 pages each with one round); two chunks of 8 tokens per prefill step.
-    config = S3RConfig(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, num_pages=36, prefill_chunk_size=8)
+    config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, num_pages=36,
+                       prefill_chunk_size=8)
     out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12,
                          s3r_config=config)
     assert torch.equal(out, dense)
@@ -172,7 +173,7 @@ def test_default_pool_is_capped_by_free_device_memory(monkeypatch):
     model = s3r_hf.enable(tiny_model("llama", seed=13))
     input_ids, attention_mask = left_padded_batch([20, 22, 24, 26], seed=14)
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40)
-    config = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, kv_memory_fraction=0.5)
+    config = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, kv_memory_fraction=0.5)
     size = page_bytes(model.config, config.page_size, model.dtype)
     # Free memory whose half holds 36 pages plus the scratch page: about two of the four requests.
     monkeypatch.setattr(generate_module, "_free_device_memory", lambda device: 2 * 37 * size)

@@ -74,7 +74,7 @@ def call_order(monkeypatch):
 def _generate_early_and_apart(model, input_ids, attention_mask, uses, **kwargs):
     """The same call with the early draft launch and with stage timing, which keeps every stage of a round apart
     (no early launch)."""
-    config = S3RConfig(draft_len=4, budget_ratio=0.2, min_budget=2, page_size=4, seed=3,
+    config = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.2, min_budget=2, page_size=4, seed=3,
                        cuda_graphs=DEVICE.type == "cuda")
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=40, eos_token_id=[7, 11], pad_token_id=0,
                   s3r_config=config) | kwargs
@@ -127,7 +127,7 @@ def test_early_launch_with_requests_waiting_for_a_slot(prelaunch_uses):
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=40, eos_token_id=[7, 11],
                   pad_token_id=0)
     dense = model.generate(input_ids, **kwargs)
-    config = S3RConfig(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, concurrency_min=3,
+    config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, concurrency_min=3,
                        concurrency_max=3, cuda_graphs=DEVICE.type == "cuda")
     out = model.generate(input_ids, s3r_config=config, **kwargs)
     assert torch.equal(out, dense)
@@ -144,7 +144,8 @@ def test_next_draft_phase_is_queued_before_the_host_reads_the_decision(call_orde
     record("_run_draft_phase", "phase")
     model = s3r_hf.enable(tiny_model("llama", seed=47).to(DEVICE))
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([11, 17], seed=48))
-    config = S3RConfig(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, cuda_graphs=DEVICE.type == "cuda")
+    config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4,
+                       cuda_graphs=DEVICE.type == "cuda")
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=30)
     out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=30,
                          s3r_config=config)
@@ -170,7 +171,7 @@ def test_engine_ar_launches_the_next_step_before_reading_this_one(call_order):
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=40, eos_token_id=[7, 11], pad_token_id=0,
                   s3r_mode="ar")
     dense = model.generate(input_ids, do_sample=False, **{k: v for k, v in kwargs.items() if k != "s3r_mode"})
-    config = S3RConfig(page_size=4, seed=5, cuda_graphs=DEVICE.type == "cuda")
+    config = S3RConfig(adaptive=False, page_size=4, seed=5, cuda_graphs=DEVICE.type == "cuda")
     out = model.generate(input_ids, do_sample=False, s3r_config=config, **kwargs)
     assert torch.equal(out, dense)
     steps = out.s3r_stats.steps
@@ -179,7 +180,8 @@ def test_engine_ar_launches_the_next_step_before_reading_this_one(call_order):
     assert events[:7] == ["forward", "forward", "read", "forward", "read", "forward", "read"], events
     assert events.count("read") == steps and events.count("forward") == steps
     # A queue: newcomers make a launched step run again, for everyone.
-    queued = S3RConfig(page_size=4, concurrency_min=3, concurrency_max=3, cuda_graphs=DEVICE.type == "cuda")
+    queued = S3RConfig(adaptive=False, page_size=4, concurrency_min=3, concurrency_max=3,
+                       cuda_graphs=DEVICE.type == "cuda")
     assert torch.equal(model.generate(input_ids, do_sample=False, s3r_config=queued, **kwargs), dense)
     # Seeded sampling: the same samples with the next step launched early and with every stage apart.
     early = model.generate(input_ids, do_sample=True, s3r_config=config, **kwargs)
@@ -202,7 +204,8 @@ def test_early_launches_under_kv_pressure_with_a_queue_and_eos(seed, prelaunch_u
     kwargs["eos_token_id"] = [int(free[0, 30]), int(free[3, 40])]
     dense = model.generate(input_ids, **kwargs)
     # Room for about one and a half requests at full length; at most four run at once.
-    config = S3RConfig(draft_len=4, budget_ratio=0.2, min_budget=2, page_size=4, num_pages=32, concurrency_min=4,
+    config = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.2, min_budget=2, page_size=4, num_pages=32,
+                       concurrency_min=4,
                        concurrency_max=4, cuda_graphs=DEVICE.type == "cuda")
     out = model.generate(input_ids, s3r_config=config, **kwargs)
     assert torch.equal(out, dense)

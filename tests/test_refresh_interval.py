@@ -34,7 +34,8 @@ def test_greedy_with_views_refreshed_every_few_rounds_matches_dense(interval, vi
     model = s3r_hf.enable(tiny_model("qwen3", seed=21))
     input_ids, attention_mask = left_padded_batch([5, 17, 33, 48, 9], seed=22)
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=48)
-    config = S3RConfig(draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, refresh_interval=interval)
+    config = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4,
+                       refresh_interval=interval)
     out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=48,
                          s3r_config=config, return_dict_in_generate=True)
     assert torch.equal(out.sequences, dense)
@@ -53,7 +54,7 @@ def test_history_reading_processors_draft_over_extended_views(view_checks):
     input_ids, attention_mask = left_padded_batch([6, 19, 27], seed=24)
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=30, repetition_penalty=1.3)
     dense = model.generate(input_ids, **kwargs)
-    config = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4, refresh_interval=2)
+    config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4, refresh_interval=2)
     out = model.generate(input_ids, s3r_config=config, **kwargs)
     assert torch.equal(out, dense)
     assert view_checks["extend"] > 0

@@ -227,7 +227,7 @@ def test_greedy_generation_with_triton_kernels_matches_dense(monkeypatch):
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 23, 15], seed=22))
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12)
     monkeypatch.setenv("S3R_HF_KERNELS", "triton")
-    config = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4)
+    config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4)
     out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12,
                          s3r_config=config)
     assert torch.equal(out, dense)

@@ -34,6 +34,12 @@
 #   grpo         GRPO rollouts, S3R vs TRL generation (needs .whl/big carried in that call; S3R's first step
 #                compiles for ~30 s on a fresh machine, so each mode gets 140 s); GRPO_EXTRA="--model-dtype bfloat16
 #                --bf16" runs it in bf16
+#   rollout-smol the RL rollout benchmark (s3r-hf bench --rollout) on SmolLM2, bf16, graphs + compiled layers:
+#                engine AR, fixed-k S3R and adaptive S3R, every call timed whole; ROLLOUT_SMOL="PROMPTS:PRESET ..."
+#                (default "8:medium": 8 prompts x 8 generations, <= 2,048 new tokens)
+#   rollout-qwen the same on the Qwen3-1.7B shape (random weights, forced acceptance $QWEN_ACCEPT), B=64, 8K-token
+#                prompts, 512 new tokens
+#   adaptive-tests  CUDA tests of adaptive draft lengths (greedy identity, G-test with k varying, graphs)
 #   rollout      a GRPO-shaped S3R generate call outside TRL (tools/probe_rollout.py): its time by phase, then one
 #                call profiled; fp32 then bf16 (PROBE_CONFIG overrides the S3RConfig JSON)
 set -uo pipefail
@@ -59,7 +65,7 @@ for step in "$@"; do
   log "$step"
   case $step in
   setup)
-    install_wheels .whl/test/*.whl .whl/small/*.whl
+    install_wheels $(ls .whl/test/*.whl .whl/small/*.whl 2>/dev/null)
     [ -f /root/smol/smol.gguf.partaa ] && cat /root/smol/smol.gguf.partaa .models/smol.gguf.partab > $smol
     python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name())"
     ;;
@@ -132,6 +138,26 @@ for step in "$@"; do
       --per-device-batch 32 --num-generations 8 --max-completion-length 512 --max-seconds-per-mode 90 \
       --mode-timeout 140 --s3r-config '{"cuda_graphs": true, "compile_layers": true}' ${GRPO_EXTRA:-} --json "$OUT/grpo.json" 2>&1 \
       | grep -v -i warn | tee "$OUT/grpo.log" | tail -60
+    ;;
+  rollout-smol)
+    for point in ${ROLLOUT_SMOL:-8:medium}; do
+      timeout 400 python3 -m s3r_hf.cli bench --rollout --model $smol --data $data --prompts ${point%%:*} \
+        --generations 8 --preset ${point##*:} --calls ${ROLLOUT_CALLS:-3} --modes ${ROLLOUT_MODES:-ar,s3r-fixed,s3r-adaptive} \
+        --dtype bfloat16 --cuda-graphs --compile-layers --json "$OUT/rollout_smol_${point/:/_}.json" 2>&1 \
+        | grep -v -i warn | tee "$OUT/rollout_smol_${point/:/_}.log" | tail -30
+    done
+    ;;
+  rollout-qwen)
+    timeout 400 python3 -m s3r_hf.cli bench --rollout --model qwen3-1.7b --seq 8192 --prompts 8 --generations 8 \
+      --max-new-tokens 512 --acceptance ${QWEN_ACCEPT:-0.93} --calls ${ROLLOUT_CALLS:-2} \
+      --modes ${ROLLOUT_MODES:-ar,s3r-fixed,s3r-adaptive} --dtype bfloat16 --cuda-graphs --compile-layers \
+      --json "$OUT/rollout_qwen.json" 2>&1 | grep -v -i warn | tee "$OUT/rollout_qwen.log" | tail -30
+    ;;
+  adaptive-tests)
+    S3R_HF_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:warnings -p no:cacheprovider -rs \
+      tests/test_adaptive_exactness.py tests/test_cuda_graphs.py \
+      "tests/test_exactness_sampling.py::test_s3r_samples_stay_exact_when_the_draft_length_varies" \
+      2>&1 | tee "$OUT/adaptive_tests.log" | tail -15
     ;;
   rollout)
     for dtype in float32 bfloat16; do

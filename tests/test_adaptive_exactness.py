@@ -1,0 +1,108 @@
+"""Adaptive draft lengths keep greedy S3R token-identical to dense decoding, whatever `k` each round takes.
+
+Rounds of `k = 0` are dense steps that leave the index views stale; the next round that drafts runs a refresh
+step first, and early launches (the next dense step, the next draft phase) are queued across every kind of switch.
+Scripted policies force those switches at chosen rounds; the adaptive policy itself runs on measured CPU costs.
+The sampled counterpart (the G-test with a varying `k`) is in test_exactness_sampling.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+import s3r_hf
+from s3r_hf import S3RConfig
+from s3r_hf.draft_policy import AdaptiveDraftLength, ScriptedDraftLength
+from s3r_hf.runtime_state import adaptive_policy
+from tests.conftest import left_padded_batch, tiny_model
+
+DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
+PATTERNS = {
+    "dense-then-draft": [0, 0, 3],
+    "draft-then-dense": [3, 3, 0],
+    "mixed": [2, 0, 0, 3, 1, 0],
+    "alternating": [0, 3],
+}
+
+
+def _config(**overrides) -> S3RConfig:
+    values = dict(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, cuda_graphs=DEVICE.type == "cuda")
+    return S3RConfig(**{**values, **overrides})
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_greedy_matches_dense_when_the_draft_length_varies(pattern, view_checks):
+    model = s3r_hf.enable(tiny_model("qwen3", seed=21).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([7, 31, 18, 44, 12], seed=22))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=37)
+    dense = model.generate(input_ids, **kwargs)
+    policy = ScriptedDraftLength(PATTERNS[pattern])
+    out = model.generate(input_ids, s3r_config=_config(), s3r_draft_policy=policy, return_dict_in_generate=True,
+                         **kwargs)
+    assert torch.equal(out.sequences, dense)
+    assert out.s3r_stats.drafted > 0 and policy.rounds > len(PATTERNS[pattern])
+
+
+@pytest.mark.parametrize("refresh_interval", [1, 3])
+def test_varying_draft_lengths_under_kv_pressure_with_a_queue_and_eos(refresh_interval, view_checks):
+    """Switches between dense steps and drafting while requests finish on EOS, newcomers arrive from the queue,
+    and requests are paused and restored when the pool runs short."""
+    model = s3r_hf.enable(tiny_model("llama", seed=23).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 26, 14, 5, 21, 17], seed=24))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=40, pad_token_id=0)
+    free = model.generate(input_ids, eos_token_id=None, **kwargs)[:, input_ids.shape[1]:]
+    kwargs["eos_token_id"] = [int(free[0, 25]), int(free[3, 33])]
+    dense = model.generate(input_ids, **kwargs)
+    config = _config(num_pages=30, concurrency_min=4, concurrency_max=4, refresh_interval=refresh_interval)
+    out = model.generate(input_ids, s3r_config=config, s3r_draft_policy=ScriptedDraftLength([0, 2, 3, 0, 0, 1]),
+                         return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, dense)
+    assert out.s3r_stats.offload_episodes > 0, "the pool was meant to run short"
+
+
+def test_history_reading_processors_with_varying_draft_lengths():
+    """Host-driven draft passes (a processor reads the history) across dense steps and refresh steps."""
+    model = s3r_hf.enable(tiny_model("qwen3", seed=25).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([11, 29, 6], seed=26))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=30,
+                  logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalty=1.3)]))
+    dense = model.generate(input_ids, **kwargs)
+    out = model.generate(input_ids, s3r_config=_config(), s3r_draft_policy=ScriptedDraftLength([0, 3, 2, 0]),
+                         **kwargs)
+    assert torch.equal(out, dense)
+
+
+def test_the_adaptive_policy_is_the_default_and_stays_exact():
+    model = s3r_hf.enable(tiny_model("qwen3", seed=27).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([13, 40, 22, 8], seed=28))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=60)
+    dense = model.generate(input_ids, **kwargs)
+    assert S3RConfig().adaptive
+    policy = AdaptiveDraftLength(3, min_probe_gap=2)
+    out = model.generate(input_ids, s3r_config=_config(), s3r_draft_policy=policy, return_dict_in_generate=True,
+                         **kwargs)
+    assert torch.equal(out.sequences, dense)
+    # It measured both sides: dense steps and full-length rounds.
+    assert policy.choices.get(0, 0) > 0 and policy.choices.get(3, 0) > 0
+    # Without a policy given, the engine builds the adaptive one from the config.
+    again = model.generate(input_ids, s3r_config=_config(), **kwargs)
+    assert torch.equal(again, dense)
+
+
+def test_what_the_policy_learned_is_kept_across_calls_until_released():
+    model = s3r_hf.enable(tiny_model("qwen3", seed=29).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 17], seed=30))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=20, s3r_config=_config())
+    model.generate(input_ids, **kwargs)
+    kept = adaptive_policy(model, _config())
+    rounds = sum(bucket.rounds for bucket in kept.buckets.values())
+    assert rounds > 0
+    model.generate(input_ids, **kwargs)
+    assert adaptive_policy(model, _config()) is kept  # the second call continued from the first one's measurements
+    assert sum(bucket.rounds for bucket in kept.buckets.values()) > rounds
+    s3r_hf.release(model)
+    assert adaptive_policy(model, _config()) is not kept
