@@ -45,7 +45,7 @@ class SamplingSetup:
     logits_processor: RaggedLogitsProcessor
     greedy: bool
     eos_token_ids: set[int]
-    stopping_criteria: StoppingCriteriaList  # criteria other than max length and EOS, checked per token
+    stopping_criteria: StoppingCriteriaList | BatchStopping  # criteria other than max length and EOS, fed whole steps
     generator: torch.Generator | None
     output_scores: bool = False
     output_logits: bool = False
