@@ -15,15 +15,10 @@ from s3r_hf.attention import s3r_attention
 from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.config import S3RConfig
 from s3r_hf.engine import S3REngine, SamplingSetup
-from s3r_hf.generate_kwargs import check_not_synced, dropped_generate_arguments
+from s3r_hf.generate_kwargs import check_generate_call
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.request import Request, RequestStatus
 from s3r_hf.validation import (
-    check_generation_config,
-    check_logits_processors,
-    check_model_inputs,
-    check_model_supported,
-    check_no_active_dropout,
     prompt_rows,
 )
 
@@ -164,14 +159,7 @@ def assisted_generate(
     Use as `model.generate(input_ids, custom_generate=s3r_hf.assisted_generate, s3r_config=...)`.
     """
     config = S3RConfig.coerce(s3r_config)
-    check_model_supported(model)
-    check_generation_config(generation_config)
-    dropped = dropped_generate_arguments()  # transformers 5.x does not pass these to a callable custom_generate
-    streamer = streamer if streamer is not None else dropped.get("streamer")
-    check_not_synced(model, synced_gpus or dropped.get("synced_gpus"))
-    check_model_inputs(model_kwargs)
-    check_no_active_dropout(model)
-    check_logits_processors(logits_processor)
+    streamer = check_generate_call(model, generation_config, logits_processor, model_kwargs, streamer, synced_gpus)
     prompt_rows(input_ids, model_kwargs.get("attention_mask"))
     if input_ids.shape[0] != 1:
         raise ValueError(f"assisted decoding runs batch size 1, got {input_ids.shape[0]} rows; use s3r_hf.generate")

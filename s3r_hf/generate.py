@@ -17,18 +17,14 @@ from s3r_hf.cache.s3r_cache import S3RCache, page_bytes
 from s3r_hf.config import S3RConfig
 from s3r_hf.draft_policy import DraftLengthPolicy
 from s3r_hf.engine import S3REngine, SamplingSetup
-from s3r_hf.generate_kwargs import check_not_synced, dropped_generate_arguments, stop_strings_as_criterion
+from s3r_hf.generate_kwargs import check_generate_call, stop_strings_as_criterion
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.request import Request
 from s3r_hf.runtime_state import adaptive_policy
 from s3r_hf.stats import S3RStats
 from s3r_hf.stopping import BatchStopping
 from s3r_hf.validation import (
-    check_generation_config,
-    check_logits_processors,
-    check_model_inputs,
     check_model_supported,
-    check_no_active_dropout,
     check_prompt_lengths,
     context_window,
     prompt_rows,
@@ -83,14 +79,7 @@ def generate(
     it to vary `k` from round to round).
     """
     config = S3RConfig.coerce(s3r_config)
-    check_model_supported(model)
-    check_generation_config(generation_config)
-    dropped = dropped_generate_arguments()  # transformers 5.x does not pass these to a callable custom_generate
-    streamer = streamer if streamer is not None else dropped.get("streamer")
-    check_not_synced(model, synced_gpus or dropped.get("synced_gpus"))
-    check_model_inputs(model_kwargs)
-    check_no_active_dropout(model)
-    check_logits_processors(logits_processor)
+    streamer = check_generate_call(model, generation_config, logits_processor, model_kwargs, streamer, synced_gpus)
     if config.return_logprobs and not generation_config.return_dict_in_generate:
         logger.warning_once(
             "S3RConfig(return_logprobs=True) is ignored without return_dict_in_generate=True (generate then returns "

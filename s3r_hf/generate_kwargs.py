@@ -19,15 +19,43 @@ import sys
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
 
+from s3r_hf.validation import (
+    check_generation_config,
+    check_logits_processors,
+    check_model_inputs,
+    check_model_supported,
+    check_no_active_dropout,
+)
+
 # The code object of transformers' own `generate` (under its decorators), to find its frame on the stack.
 _GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
 _MAX_FRAMES = 16  # S3R's `generate` is called by transformers' directly; a few wrappers in between at most
+
+
+def check_generate_call(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig,
+    logits_processor: LogitsProcessorList,
+    model_kwargs: dict[str, Any],
+    streamer: Any,
+    synced_gpus: bool,
+) -> Any:
+    """The checks both S3R decoding methods run before anything else (model, generation options, inputs, training
+    mode, logits processors, `synced_gpus`); returns the streamer, the one transformers dropped included."""
+    check_model_supported(model)
+    check_generation_config(generation_config)
+    dropped = dropped_generate_arguments()  # transformers 5.x does not pass these to a callable custom_generate
+    check_not_synced(model, synced_gpus or dropped.get("synced_gpus"))
+    check_model_inputs(model_kwargs)
+    check_no_active_dropout(model)
+    check_logits_processors(logits_processor)
+    return streamer if streamer is not None else dropped.get("streamer")
 
 
 def dropped_generate_arguments() -> dict[str, Any]:
