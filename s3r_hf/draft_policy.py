@@ -174,16 +174,19 @@ class AdaptiveDraftLength:
         bucket.seconds.setdefault(draft_len, deque(maxlen=self.samples)).append(seconds)
         bucket.last_seen[draft_len] = bucket.rounds
 
-    def cost_ratio(self, key: tuple[int, int], k: int) -> float | None:
+    def cost_ratio(self, key: tuple[int, int], k: int, nearest: list[_BucketCosts] | None = None) -> float | None:
         """Estimated time of a `k`-round over a dense step's, in bucket `key` or the nearest bucket that measured
-        both; None when nothing was measured yet."""
-        for _, other in sorted(
-            ((abs(b[0] - key[0]) + abs(b[1] - key[1]), b) for b in self.buckets), key=lambda item: item[0]
-        ):
-            ratio = self._bucket_ratio(self.buckets[other], k)
+        both (`nearest`: the buckets by distance from `key`, if already sorted); None when nothing was measured."""
+        for bucket in nearest if nearest is not None else self._nearest(key):
+            ratio = self._bucket_ratio(bucket, k)
             if ratio is not None:
                 return ratio
         return None
+
+    def _nearest(self, key: tuple[int, int]) -> list[_BucketCosts]:
+        """The buckets by distance from `key` (`key` itself first, if it exists)."""
+        order = sorted(self.buckets, key=lambda b: abs(b[0] - key[0]) + abs(b[1] - key[1]))
+        return [self.buckets[b] for b in order]
 
     def _bucket_ratio(self, bucket: _BucketCosts, k: int) -> float | None:
         """`cost(k) / cost(0)` in one bucket: measured, or linear in `k` between the nearest measured lengths (a
@@ -193,7 +196,8 @@ class AdaptiveDraftLength:
             return None
         if k == 0:
             return 1.0
-        measured = {j: bucket.estimate(j) for j in bucket.seconds if bucket.estimate(j) is not None}
+        estimates = {j: bucket.estimate(j) for j in bucket.seconds}
+        measured = {j: seconds for j, seconds in estimates.items() if seconds is not None}
         if k in measured:
             return measured[k] / dense
         below = max((j for j in measured if j < k), default=None)
@@ -210,8 +214,9 @@ class AdaptiveDraftLength:
     def best(self, key: tuple[int, int]) -> int | None:
         """The `k` with the most expected tokens per unit of time in bucket `key`; None before any measurement."""
         values = {}
+        nearest = self._nearest(key)
         for k in self.lengths:
-            ratio = self.cost_ratio(key, k)
+            ratio = self.cost_ratio(key, k, nearest)
             if ratio is not None:
                 values[k] = self.expected_tokens(k) / ratio
         if len(values) < 2:
@@ -251,8 +256,7 @@ class AdaptiveDraftLength:
             # where the neighbour's probes kept confirming its choice, the first probe here waits as long.
             gap = self.min_probe_gap
             if self.buckets:
-                nearest = min(self.buckets, key=lambda b: abs(b[0] - key[0]) + abs(b[1] - key[1]))
-                gap = max(gap, self.buckets[nearest].probe_gap)
+                gap = max(gap, self._nearest(key)[0].probe_gap)
             bucket = self.buckets[key] = _BucketCosts(probe_gap=gap // 2, next_probe=gap)
         return bucket
 
