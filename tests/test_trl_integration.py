@@ -63,28 +63,28 @@ def test_two_grpo_steps_with_s3r_rollouts_log_s3r_metrics(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())), "no optimizer step"
 
 
-def test_s3r_rollouts_equal_trl_generation_with_top_k_1_and_return_dense_logprobs(tmp_path):
-    s3r = make_trainer(tmp_path / "s3r", top_k=1)
+def _rollouts_against_trl(tmp_path, **trainer_options):
+    """A trainer with `trainer_options` and TRL's own generation, both at top_k=1: the first's completions and
+    log-probs after checking that the completions equal TRL's and every one has a log-prob per token."""
+    ours_trainer = make_trainer(tmp_path / "ours", top_k=1, **trainer_options)
     trl = make_trainer(tmp_path / "trl", top_k=1, use_s3r=False)
-    tokenizer = s3r.processing_class
+    tokenizer = ours_trainer.processing_class
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    ours, logprobs = s3r._generate_single_turn(prompt_ids, None, {}, 1)
+    ours, logprobs = ours_trainer._generate_single_turn(prompt_ids, None, {}, 1)
     theirs, _ = trl._generate_single_turn(prompt_ids, None, {}, 1)
     assert ours == theirs
     assert [len(lp) for lp in logprobs] == [len(c) for c in ours]
+    return ours_trainer, logprobs
+
+
+def test_s3r_rollouts_equal_trl_generation_with_top_k_1_and_return_dense_logprobs(tmp_path):
+    _, logprobs = _rollouts_against_trl(tmp_path)
     # top_k=1 makes the processed target distribution a point mass: every sampled token has log-prob 0.
     assert all(abs(v) < 1e-5 for lp in logprobs for v in lp)
 
 
 def test_engine_ar_rollouts_equal_trl_generation_and_draft_nothing(tmp_path):
-    ar = make_trainer(tmp_path / "ar", top_k=1, s3r_rollout_mode="ar")
-    trl = make_trainer(tmp_path / "trl", top_k=1, use_s3r=False)
-    tokenizer = ar.processing_class
-    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    ours, logprobs = ar._generate_single_turn(prompt_ids, None, {}, 1)
-    theirs, _ = trl._generate_single_turn(prompt_ids, None, {}, 1)
-    assert ours == theirs
-    assert [len(lp) for lp in logprobs] == [len(c) for c in ours]
+    ar, _ = _rollouts_against_trl(tmp_path, s3r_rollout_mode="ar")
     metrics = ar._metrics["train" if ar.model.training else "eval"]
     assert metrics["s3r/num_drafts"] == [0.0] and metrics["s3r/dense_steps"][0] > 0
     assert metrics["s3r/tau"] == [1.0]
