@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from s3r_hf.fused_projections import MergeIdenticalGemms, fused_projections
+from s3r_hf.fused_projections import FusedProjections, MergeIdenticalGemms
 from s3r_hf.model_session import owns
 from s3r_hf.validation import UnsupportedModelError
 
@@ -45,17 +46,32 @@ def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
     return layers
 
 
+def fused_projections_for(model: PreTrainedModel) -> FusedProjections:
+    """The fused Q/K/V and gate/up projections of the model's decoder layers, active in the thread holding the model
+    for S3R. They refer to the model weakly, so a runtime kept for the model does not keep the model alive."""
+    model_ref = weakref.ref(model)
+
+    def active() -> bool:
+        held = model_ref()
+        return held is not None and owns(held)
+
+    return FusedProjections(decoder_layers(model), active)
+
+
 @contextlib.contextmanager
-def compiled_decoder_layers(model: PreTrainedModel) -> Iterator[None]:
+def compiled_decoder_layers(model: PreTrainedModel, fused: FusedProjections | None = None) -> Iterator[None]:
     """Run the block with every decoder layer's `forward` replaced by its compiled version, then restore it.
 
-    The replacement runs the compiled forward only in the thread holding the model for S3R (`model_session.owns`):
-    another thread's forward of the same model during the call (a dense `generate`) runs the layer's own code.
+    `fused` (default: built for this block) are the layers' fused projections, refilled from the model's weights on
+    entry. The replacement runs the compiled forward only in the thread holding the model for S3R
+    (`model_session.owns`): another thread's forward of the same model during the call (a dense `generate`) runs the
+    layer's own code.
     """
     layers = decoder_layers(model)
+    fused = fused if fused is not None else fused_projections_for(model)
     saved = [(layer, layer.__dict__.get("forward")) for layer in layers]
     # `layer_idx` would otherwise be a constant of each layer's graph: one recompilation per layer.
-    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), fused_projections(layers, lambda: owns(model)):
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), fused.installed():
         try:
             for layer, previous in saved:
                 cls = type(layer)

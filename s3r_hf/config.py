@@ -63,9 +63,14 @@ class S3RConfig:
         compile_layers (`bool`, defaults to `False`):
             `torch.compile` each decoder layer for engine forwards (the S3R attention and K/V writes stay outside
             the compiled graphs), so the elementwise work around the GEMMs runs as a few fused kernels, and
-            Q/K/V and gate/up each run as one GEMM over concatenated weight copies held for the call
-            (SmolLM2-135M: 139 MB, Qwen3-1.7B: 1.9 GB in bf16). The first call pays the compilation; with
-            `cuda_graphs` the fused kernels are what the graphs replay.
+            Q/K/V and gate/up each run as one GEMM over concatenated weight copies, refilled from the model's
+            weights on every call (SmolLM2-135M: 139 MB, Qwen3-1.7B: 1.9 GB in bf16). The first call pays the
+            compilation; with `cuda_graphs` the fused kernels are what the graphs replay.
+        keep_state (`bool`, defaults to `True`):
+            Keep the KV pool, the CUDA graphs and the fused weights for the model's next call, which reuses them
+            when its requests fit (an RL loop's steps do): later calls capture no graphs and allocate no pool.
+            The memory stays held until `s3r_hf.release(model)` (or the end of a `with s3r_hf.kept_state(model)`
+            block). `False` frees it when the call returns.
         return_logprobs (`bool`, defaults to `False`):
             Return the dense log-probability (under the processed target distribution) of every generated token.
         seed (`int`, *optional*):
@@ -91,6 +96,7 @@ class S3RConfig:
     restore_backlog_threshold: int = 3
     cuda_graphs: bool = False
     compile_layers: bool = False
+    keep_state: bool = True
     return_logprobs: bool = False
     seed: int | None = None
 
@@ -115,7 +121,7 @@ class S3RConfig:
         _check_float(self, "utilization_low", low=0.0, high=1.0)
         _check_float(self, "utilization_high", low=self.utilization_low, high=1.0)
         _check_int(self, "restore_backlog_threshold", low=0)
-        for name in ("adaptive", "cuda_graphs", "compile_layers", "return_logprobs"):
+        for name in ("adaptive", "cuda_graphs", "compile_layers", "keep_state", "return_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"S3RConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:

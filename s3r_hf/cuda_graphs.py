@@ -138,12 +138,13 @@ class DecodeGraphs:
         """The round's draft passes from one replayed graph; `inputs.noise` is ignored (drawn here, in place).
 
         The outputs are views of the graph's buffers, valid until the next draft phase of this bucket. Each number
-        of `passes` (the round's longest draft) is a graph of its own.
+        of `passes` (the round's longest draft) is a graph of its own, and so is each `DraftPhase.signature` (the
+        logits processors are part of the graph).
         """
         count = inputs.pending.shape[0]
         capacity = self.cache.index_views.capacity
         passes = self.draft_len if passes is None else passes
-        key = self._key("draft", count, capacity, passes)
+        key = self._key("draft", count, capacity, passes, self.draft_variant(phase))
         captured = self.steps.get(key)
         fresh = captured is None
         if fresh:
@@ -162,16 +163,33 @@ class DecodeGraphs:
         self.replays += 1
         return DraftOutputs(tokens=captured.outputs.tokens[:count], scores=captured.outputs.scores[:count])
 
-    def _key(self, kind: str, rows: int, capacity: int, width: int = 1) -> tuple:
-        """`(kind, bucket, capacity, width)` to replay for `rows` rows: a captured bucket up to `REUSE_FACTOR` times
-        too large, else the smallest that fits."""
+    @staticmethod
+    def draft_variant(phase: DraftPhase) -> tuple:
+        """The key part that tells draft phases apart: their signature, or the phase's serial number when it has none
+        (then its graphs serve that phase, one call, only)."""
+        signature = phase.signature
+        return ("signature", signature) if signature is not None else ("phase", phase.serial)
+
+    def keep_draft_phases_of(self, phase: DraftPhase | None) -> None:
+        """Drop the draft-phase graphs of other signatures than `phase`'s (earlier calls' processors); a call without
+        a draft phase (dense decoding) leaves them for the next call that drafts."""
+        if phase is None:
+            return
+        variant = self.draft_variant(phase)
+        for key in [k for k in self.steps if k[0] == "draft" and k[4] != variant]:
+            del self.steps[key]
+
+    def _key(self, kind: str, rows: int, capacity: int, width: int = 1, variant: tuple | None = None) -> tuple:
+        """`(kind, bucket, capacity, width, variant)` to replay for `rows` rows: a captured bucket up to
+        `REUSE_FACTOR` times too large, else the smallest that fits."""
         rows = min(rows, BUCKETS[-1])
         ideal = next(b for b in BUCKETS if b >= rows)
         captured = sorted(
-            k[1] for k in self.steps if k[0] == kind and k[2] == capacity and k[3] == width and k[1] >= rows
+            k[1] for k in self.steps
+            if k[0] == kind and k[2] == capacity and k[3] == width and k[4] == variant and k[1] >= rows
         )
         bucket = captured[0] if captured and captured[0] <= REUSE_FACTOR * ideal else ideal
-        return (kind, bucket, capacity, width)
+        return (kind, bucket, capacity, width, variant)
 
     def _drop_stale(self, kind: str, key: tuple) -> None:
         """Index views grew (a new tensor): graphs that read the old one must not run again."""
@@ -269,7 +287,7 @@ class DecodeGraphs:
 
     def _capture(self, program: Callable, key: tuple):
         """Capture `program()` (after one warm-up run, see `capture_graph`) and return `(graph, its outputs)`;
-        `key` (kind, bucket, index-view capacity) names it in the log.
+        `key` (see `_key`) names it in the log.
 
         The warm-up sees the same inputs the replay will see, so the K/V it writes are the ones the replay writes
         again.
@@ -285,7 +303,7 @@ class DecodeGraphs:
         seconds = time.perf_counter() - started
         self.captures += 1
         self.capture_seconds += seconds
-        kind, bucket, capacity, width = key
+        kind, bucket, capacity, width, _ = key
         logger.info(
             f"captured a CUDA graph: {kind}, {bucket} rows of {width}, index views {capacity} wide, {seconds:.3f} s"
         )

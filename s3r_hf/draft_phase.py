@@ -13,6 +13,7 @@ drafts are ignored by the acceptance test, which reads only each request's own `
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ import torch
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.sampler import sample_with_noise
 from s3r_hf.step_plan import SparseQueries, StepPlan
+
+_serials = itertools.count()  # tells draft phases apart for the life of the process (an `id` may be reused)
 
 
 @dataclass
@@ -73,6 +76,16 @@ class DraftPhase:
         self.scratch_row = scratch_row
         self.greedy = greedy
         self.vocab_size = vocab_size
+        self.serial = next(_serials)
+
+    @property
+    def signature(self) -> tuple | None:
+        """What a captured graph of this phase computes besides its inputs (the processors, greedy or sampled, the
+        pass layout); None when the processors cannot be compared (`RaggedLogitsProcessor.signature`)."""
+        processors = self.processor.signature
+        if processors is None:
+            return None
+        return (processors, self.greedy, self.draft_len, self.page_size, self.scratch_row, self.vocab_size)
 
     def __call__(
         self, inputs: DraftInputs, view_width: int, num_splits: int | None = None, passes: int | None = None

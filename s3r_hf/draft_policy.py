@@ -10,7 +10,10 @@ remain, are on the other side, and there S3R must decode as fast as dense decodi
 `AdaptiveDraftLength` measures the wall time of the rounds it chose, per (batch, context) bucket and `k`, and
 estimates `α_j` from the acceptance tests it has seen; before each round it picks the `k` with the most committed
 tokens per second, and now and then probes a `k` it has not measured lately, since both costs and acceptance
-drift as contexts grow and requests finish.
+drift as contexts grow and requests finish. The engine reports the cost of a round only when the round before it
+had the same `k`: the first round after a switch pays for work the previous round would have overlapped with its
+own (the next round's launches), so it says little about what a steady run of that `k` costs. A probe therefore
+runs a few rounds in a row.
 
 Exactness does not depend on the choice: `k` is fixed before the round draws its randomness, from what earlier
 rounds did, and every round is an exact speculative-sampling step for whatever `k` it runs (tests force `k` to
@@ -90,6 +93,8 @@ class _BucketCosts:
     choice: int | None = None  # the best k when last chosen
     probe_gap: int = 0
     next_probe: int = 0
+    probe_k: int = 0  # the length being probed, while `probe_left` rounds of the probe remain
+    probe_left: int = 0
 
     def estimate(self, k: int) -> float | None:
         """The lower median of the recent samples: a capture or a recompilation that slipped into one sample does
@@ -111,6 +116,7 @@ class AdaptiveDraftLength:
             choice and returns to the minimum when one changes it.
         samples: round times kept per (bucket, k).
         lengths: the draft lengths it may choose (default: all of `0..max_draft_len`).
+        probe_rounds: consecutive rounds a probe runs (the engine times all but the first).
     """
 
     def __init__(
@@ -123,6 +129,7 @@ class AdaptiveDraftLength:
         max_probe_gap: int = 256,
         samples: int = 5,
         lengths: tuple[int, ...] | None = None,
+        probe_rounds: int = 3,
     ) -> None:
         if max_draft_len < 1:
             raise ValueError(f"AdaptiveDraftLength needs max_draft_len >= 1, got {max_draft_len}")
@@ -136,6 +143,7 @@ class AdaptiveDraftLength:
         self.min_probe_gap = min_probe_gap
         self.max_probe_gap = max_probe_gap
         self.samples = samples
+        self.probe_rounds = probe_rounds
         self.reached = [0.0] * max_draft_len  # drafts at position j the acceptance test looked at
         self.accepted = [0.0] * max_draft_len
         self.buckets: dict[tuple[int, int], _BucketCosts] = {}
@@ -228,7 +236,10 @@ class AdaptiveDraftLength:
         bucket = self._bucket(key)
         bucket.rounds += 1
         best = self.best(key)
-        if best is None:  # nothing to compare yet: measure a dense step, then a full round
+        if bucket.probe_left > 0:  # a probe in progress
+            bucket.probe_left -= 1
+            k = bucket.probe_k
+        elif best is None:  # nothing to compare yet: measure dense steps, then full rounds
             k = 0 if 0 not in bucket.seconds else self.max_draft_len
         else:
             if best != bucket.choice:  # the evidence moved: look again soon
@@ -240,11 +251,12 @@ class AdaptiveDraftLength:
 
     def _probe(self, bucket: _BucketCosts, best: int) -> int:
         """The length next to the choice or at either end that this bucket measured longest ago (the ends first,
-        which tell most about whether drafting pays at all); the gap to the next probe doubles while the probes
-        keep confirming `best`."""
+        which tell most about whether drafting pays at all), for the next `probe_rounds` rounds; the gap to the next
+        probe doubles while the probes keep confirming `best`."""
         ends = (0, self.max_draft_len)
         candidates = [k for k in {*ends, best - 1, best + 1} - {best} if k in self.lengths]
         k = min(candidates, key=lambda j: (bucket.last_seen.get(j, -1), j not in ends, j))
+        bucket.probe_k, bucket.probe_left = k, self.probe_rounds - 1
         bucket.probe_gap = min(self.max_probe_gap, max(self.min_probe_gap, 2 * bucket.probe_gap))
         bucket.next_probe = bucket.rounds + bucket.probe_gap
         return k

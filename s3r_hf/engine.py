@@ -19,15 +19,15 @@ from transformers.utils import logging
 from s3r_hf.attention import s3r_attention
 from s3r_hf.cache.page_allocator import KVCapacityError
 from s3r_hf.cache.s3r_cache import S3RCache
-from s3r_hf.compiled_layers import compiled_decoder_layers
+from s3r_hf.compiled_layers import compiled_decoder_layers, fused_projections_for
 from s3r_hf.config import S3RConfig
 from s3r_hf.cuda_graphs import DecodeGraphs
 from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase
 from s3r_hf.draft_policy import DraftLengthPolicy, FixedDraftLength, RoundShape, adaptive_for
 from s3r_hf.kernels import get_backend
 from s3r_hf.logits import RaggedLogitsProcessor
-from s3r_hf.model_forward import ModelForward
 from s3r_hf.request import Request, RequestStatus
+from s3r_hf.runtime_state import ModelRuntime
 from s3r_hf.sampler import draw_noise, sample_from_scores, speculative_accept
 from s3r_hf.scheduler import AIMDConcurrency
 from s3r_hf.staging import start_host_copy, to_device
@@ -107,6 +107,8 @@ class S3REngine:
             `"stages"` also times each stage of a round (`S3RStats.stage_seconds`; adds synchronizations).
         draft_policy: chooses each round's draft length (`draft_policy.py`); by default `AdaptiveDraftLength` when
             `config.adaptive`, else the fixed `config.draft_len` (`0` in mode `"ar"`).
+        runtime: the model's runtime that holds `cache` (`runtime_state.py`): its CUDA graphs and fused weights are
+            reused and kept for later calls. By default one made for this engine alone.
     """
 
     MODES = ("s3r", "ar", "unverified")
@@ -121,6 +123,7 @@ class S3REngine:
         forced_acceptance: float | None = None,
         timing: bool | str = False,
         draft_policy: DraftLengthPolicy | None = None,
+        runtime: ModelRuntime | None = None,
     ) -> None:
         if mode not in self.MODES:
             raise ValueError(f"engine mode must be one of {self.MODES}, got {mode!r}")
@@ -139,8 +142,14 @@ class S3REngine:
         self.stats = S3RStats()
         self.concurrency = AIMDConcurrency(config)
         self.num_layers = cache.num_layers
+        if runtime is None:
+            runtime = ModelRuntime()
+            runtime.adopt_cache(cache, model, cache.num_pages)
+        elif runtime.cache is not cache:
+            raise ValueError("the engine's cache must be its runtime's pool (ModelRuntime.adopt_cache)")
+        self.runtime = runtime
         # Held by the draft phase and the graphs too; it does not point back at the engine (see model_forward.py).
-        self._model_logits = ModelForward(model, cache)
+        self._model_logits = runtime.forward
         self.graphs: DecodeGraphs | None = None
         # The next round's draft phase, when it could be launched before this round's host commit.
         self._prelaunched: _PrelaunchedDrafts | None = None
@@ -153,7 +162,9 @@ class S3REngine:
         # Dense steps (k = 0) neither score nor extend the index views; a round that drafts after them first runs
         # one scored dense step to rebuild the views (a refresh step).
         self._views_stale = False
-        self._timed_round: tuple[RoundShape, int, float, float] | None = None  # (shape, k, start, capture seconds)
+        # (shape, k, start, capture seconds, whether the round before had the same k)
+        self._timed_round: tuple[RoundShape, int, float, float, bool] | None = None
+        self._previous_k: int | None = None  # the draft length of the previous round (a refresh step counts as 0)
         self._captured_before_stage = 0.0  # capture seconds already counted when the current stage began
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         # The round's draft passes run as one device-side program unless a logits processor reads the history
@@ -170,19 +181,23 @@ class S3REngine:
         """Generate until every request finishes; requests are filled in place."""
         for request in requests:
             self._check_fits_alone(request)
+        captured_before = (0, 0.0)
         if self.config.cuda_graphs and self.device.type == "cuda" and requests:
             longest = max(r.peak_kv_tokens(self.config.draft_len) for r in requests)
-            max_pages = self.cache.pages_for(longest)
-            max_budget = self.config.budget(max_pages * self.cache.page_size)
-            self.graphs = DecodeGraphs(self.cache, self._model_logits, max_pages, self.config.draft_len, max_budget)
+            self.graphs = self.runtime.graphs_for(self.cache.pages_for(longest), self.config)
+            self.graphs.keep_draft_phases_of(self.draft_phase)
+            captured_before = (self.graphs.captures, self.graphs.capture_seconds)
             # Index views at their largest from the start: growing them would invalidate the draft graphs. A view
             # never holds more than the context, whatever the slack between refreshes.
-            max_view = min(max_budget + self._extension_slack(), max_pages * self.cache.page_size)
+            max_view = min(self.graphs.max_candidates + self._extension_slack(), self.graphs.max_context)
             self.cache.index_views.ensure_capacity(max_view)
         waiting = deque(requests)
         running: list[Request] = []
         paused: deque[Request] = deque()
-        compiled = compiled_decoder_layers(self.model) if self.config.compile_layers else contextlib.nullcontext()
+        compiled = contextlib.nullcontext()
+        if self.config.compile_layers:
+            fused = self.runtime.fused_projections(lambda: fused_projections_for(self.model))
+            compiled = compiled_decoder_layers(self.model, fused)
         # Wall time is split between prefill and decoding at the switches between them only (the device is
         # synchronized there when timing), so consecutive rounds keep overlapping as they do untimed.
         phase, phase_started = None, 0.0
@@ -196,6 +211,7 @@ class S3REngine:
                 if prefilling:
                     self._prefill_step(prefilling)
                     self._timed_round = None  # the interval around a prefill step is no round's cost
+                    self._previous_k = None
                 else:
                     self._round_k = self._choose_draft_len(running)
                     self._make_room_for_round(running, paused)
@@ -210,9 +226,9 @@ class S3REngine:
                     request.slot = None
                 self.concurrency.update(self.cache.utilization, len(paused))
             self._end_phase(phase, phase_started)
-        if self.graphs is not None:
-            self.stats.graph_captures = self.graphs.captures
-            self.stats.graph_capture_seconds = self.graphs.capture_seconds
+        if self.graphs is not None:  # this call's captures (the graphs may be kept from earlier calls)
+            self.stats.graph_captures = self.graphs.captures - captured_before[0]
+            self.stats.graph_capture_seconds = self.graphs.capture_seconds - captured_before[1]
         return self.stats
 
     def _end_phase(self, phase: str | None, started: float) -> float:
@@ -447,8 +463,10 @@ class S3REngine:
         device), else the policy's choice now. The time since the previous round began is that round's cost."""
         now = time.perf_counter()
         if self._timed_round is not None:
-            shape, k, started, captured = self._timed_round
-            if captured == self._capture_seconds():  # an interval with a CUDA-graph capture in it is no round's cost
+            shape, k, started, captured, steady = self._timed_round
+            # Neither an interval with a CUDA-graph capture in it nor the first round after a switch of `k` (it ran
+            # launches the round before would have overlapped) is what a run of such rounds costs.
+            if steady and captured == self._capture_seconds():
                 self.policy.observe_cost(shape, k, now - started)
         self._timed_round = None
         k, self._next_k = self._next_k, None
@@ -477,8 +495,10 @@ class S3REngine:
         if refresh_step:
             self._next_k, k = k, 0
         self._round_k = k
+        steady = self._previous_k == k
+        self._previous_k = k
         self._timed_round = None if refresh_step else (self._shape(requests), k, time.perf_counter(),
-                                                       self._capture_seconds())
+                                                       self._capture_seconds(), steady)
         started = 0.0
         if self.timing == "stages":
             started = self._clock()

@@ -8,9 +8,9 @@ concatenated weights and returns its own columns. Traced together, the group's s
 `MergeIdenticalGemms` (an inductor graph pass) keeps one of them. Eagerly the slices would run the whole GEMM once
 per member, so they are installed only under `torch.compile` (`compiled_layers.py`).
 
-The concatenated weights are copies made when the engine starts (so an optimizer step between rollouts is
-picked up) and dropped when it ends; the model's own parameters are never touched. The copies cost memory for
-the call: 139 MB for SmolLM2-135M, 1.9 GB for Qwen3-1.7B in bf16.
+The concatenated weights are copies, refilled from the model's linears each time an engine starts (so an
+optimizer step between rollouts is picked up); the model's own parameters are never touched. The copies are kept
+with the model's runtime between calls (`runtime_state.py`; their size is in docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -66,31 +66,60 @@ def _fusable(linears: list[torch.nn.Module]) -> bool:
     )
 
 
-@contextlib.contextmanager
-def fused_projections(layers: list[torch.nn.Module], active: Callable[[], bool]) -> Iterator[None]:
-    """Within the block, replace each fusable group of the layers' linears by slices of one GEMM (used where
-    `active()`, see `FusedLinearSlice`); the original linears are put back afterwards."""
-    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
-    try:
+class FusedProjections:
+    """The concatenated weights of every fusable group of `layers`' linears, and the slices that read them.
+
+    Built once per model runtime (`runtime_state.py`) and kept across calls: CUDA graphs captured in one call read
+    these weights by address in the next, so they are refilled in place from the model's linears each time they are
+    installed (`installed`), never reallocated. An optimizer step between calls is therefore picked up.
+    """
+
+    def __init__(self, layers: list[torch.nn.Module], active: Callable[[], bool]) -> None:
+        self.groups: list[tuple[torch.Tensor, torch.Tensor | None, list[torch.nn.Module]]] = []
+        self.swaps: list[tuple[torch.nn.Module, str, torch.nn.Module, FusedLinearSlice]] = []
+        for layer in layers:
+            for parent in layer.modules():
+                for names in FUSED_GROUPS:
+                    linears = [getattr(parent, name, None) for name in names]
+                    if any(linear is None for linear in linears) or not _fusable(linears):
+                        continue
+                    first = linears[0].weight
+                    rows = sum(linear.out_features for linear in linears)
+                    like = dict(dtype=first.dtype, device=first.device)
+                    weight = torch.empty(rows, first.shape[1], **like)
+                    bias = None if linears[0].bias is None else torch.empty(rows, **like)
+                    self.groups.append((weight, bias, linears))
+                    start = 0
+                    for name, linear in zip(names, linears):
+                        stop = start + linear.out_features
+                        fused = FusedLinearSlice(weight, bias, slice(start, stop), linear, active)
+                        self.swaps.append((parent, name, linear, fused))
+                        start = stop
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes + (b.nbytes if b is not None else 0) for w, b, _ in self.groups)
+
+    def refresh(self) -> None:
+        """Copy the linears' current weights into the concatenated ones, in place."""
         with torch.no_grad():
-            for layer in layers:
-                for parent in layer.modules():
-                    for names in FUSED_GROUPS:
-                        linears = [getattr(parent, name, None) for name in names]
-                        if any(linear is None for linear in linears) or not _fusable(linears):
-                            continue
-                        weight = torch.cat([linear.weight for linear in linears])
-                        bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
-                        start = 0
-                        for name, linear in zip(names, linears):
-                            stop = start + linear.out_features
-                            swapped.append((parent, name, linear))
-                            setattr(parent, name, FusedLinearSlice(weight, bias, slice(start, stop), linear, active))
-                            start = stop
-        yield
-    finally:
-        for parent, name, linear in reversed(swapped):
-            setattr(parent, name, linear)
+            for weight, bias, linears in self.groups:
+                torch.cat([linear.weight for linear in linears], out=weight)
+                if bias is not None:
+                    torch.cat([linear.bias for linear in linears], out=bias)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Within the block, each group's linears are replaced by slices of one GEMM over freshly copied weights
+        (used where `active()`, see `FusedLinearSlice`); the original linears are put back afterwards."""
+        self.refresh()
+        try:
+            for parent, name, _, fused in self.swaps:
+                setattr(parent, name, fused)
+            yield
+        finally:
+            for parent, name, linear, _ in reversed(self.swaps):
+                setattr(parent, name, linear)
 
 
 class MergeIdenticalGemms(CustomGraphPass):

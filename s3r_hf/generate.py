@@ -19,8 +19,9 @@ from s3r_hf.draft_policy import DraftLengthPolicy
 from s3r_hf.engine import S3REngine, SamplingSetup
 from s3r_hf.generate_kwargs import check_generate_call, stop_strings_as_criterion
 from s3r_hf.logits import RaggedLogitsProcessor
+from s3r_hf.model_session import hold
 from s3r_hf.request import Request
-from s3r_hf.runtime_state import adaptive_policy
+from s3r_hf.runtime_state import ModelRuntime, adaptive_policy, runtime_for
 from s3r_hf.stats import S3RStats
 from s3r_hf.stopping import BatchStopping
 from s3r_hf.validation import (
@@ -137,6 +138,38 @@ def generate(
         stopping.end()
         return _assemble(input_ids, requests, generation_config, S3RStats(), config)
 
+    # The model's kept runtime is this call's until it returns: another thread's call waits (`model_session.hold`).
+    with hold(model):
+        runtime = runtime_for(model) if config.keep_state else ModelRuntime()
+        runtime.check_model(model)
+        cache = _kv_pool(runtime, requests, config, model, device)
+        engine = S3REngine(
+            model, config, sampling, cache, mode=s3r_mode, forced_acceptance=s3r_forced_acceptance, timing=s3r_timing,
+            draft_policy=s3r_draft_policy if s3r_draft_policy is not None else _kept_policy(model, config, s3r_mode),
+            runtime=runtime,
+        )
+        try:
+            stats = engine.run(requests)
+        except BaseException:
+            # A call that failed part-way (a stopping criterion raised, memory ran out during a capture) leaves
+            # nothing the next call could trust.
+            runtime.drop_device_state()
+            raise
+        finally:
+            stopping.end()  # also after a failure, so that a streamer's consumer does not wait forever
+    return _assemble(input_ids, requests, generation_config, stats, config)
+
+
+def _kv_pool(
+    runtime: ModelRuntime, requests: list[Request], config: S3RConfig, model: PreTrainedModel, device: torch.device
+) -> S3RCache:
+    """The runtime's kept pool when the call fits it, else a new one (the old one freed first, so its memory counts
+    as free when the new one is sized)."""
+    wanted = config.num_pages or _pages_at_full_length(requests, config)
+    cache = runtime.reusable_cache(model, config, wanted, len(requests), device)
+    if cache is not None:
+        return cache
+    runtime.drop_device_state()
     cache = S3RCache(
         model.config,
         num_pages=config.num_pages or _default_num_pages(requests, config, model, device),
@@ -145,15 +178,12 @@ def generate(
         dtype=model.dtype,
         device=device,
     )
-    engine = S3REngine(
-        model, config, sampling, cache, mode=s3r_mode, forced_acceptance=s3r_forced_acceptance, timing=s3r_timing,
-        draft_policy=s3r_draft_policy if s3r_draft_policy is not None else _kept_policy(model, config, s3r_mode),
-    )
-    try:
-        stats = engine.run(requests)
-    finally:
-        stopping.end()  # also after a failure, so that a streamer's consumer does not wait forever
-    return _assemble(input_ids, requests, generation_config, stats, config)
+    runtime.adopt_cache(cache, model, wanted)
+    return cache
+
+
+def _pages_at_full_length(requests: list[Request], config: S3RConfig) -> int:
+    return max(1, sum(-(-r.peak_kv_tokens(config.draft_len) // config.page_size) for r in requests))
 
 
 def _default_num_pages(requests: list[Request], config: S3RConfig, model: PreTrainedModel, device: torch.device) -> int:

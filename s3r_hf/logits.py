@@ -49,6 +49,21 @@ class RaggedLogitsProcessor:
         self.batch_size = batch_size
         self.history_free = all(isinstance(p, _HISTORY_FREE) for p in self.processors)
 
+    @property
+    def signature(self) -> tuple | None:
+        """What the processors compute, as a hashable value: each processor's class and settings, when every
+        setting is a plain Python scalar; None otherwise (then equal signatures could not show equal behaviour).
+
+        A CUDA graph of the draft phase bakes the processors' settings in; a later call replays it only when its
+        processors have the same signature (`DecodeGraphs.run_draft_phase`)."""
+        parts = []
+        for processor in self.processors:
+            settings = vars(processor)
+            if not all(isinstance(value, (bool, int, float, str, type(None))) for value in settings.values()):
+                return None
+            parts.append((type(processor).__qualname__, tuple(sorted(settings.items()))))
+        return tuple(parts)
+
     def __call__(self, rows: list[int], histories: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
         """Processed float32 scores for raw `logits` `[E, V]`; entry `e` belongs to batch row `rows[e]` and
         `histories[e]` is the `input_ids` row its scores follow."""

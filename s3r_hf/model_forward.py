@@ -1,15 +1,17 @@
 """One packed forward of the model over the engine's cache: the call that eager steps, draft phases and CUDA-graph
 captures all make.
 
-It is its own object, holding the model and the cache but not the engine, so that the engine's draft phase and
-graphs can keep it without forming a reference cycle back to the engine: the KV pool (often most of the device's
-memory) is then freed by reference counting the moment a `generate` call drops its engine, not whenever Python's
-cycle collector next runs.
+It is its own object, holding the cache and (weakly) the model but not the engine, so that the engine's draft phase
+and graphs can keep it without forming a reference cycle back to the engine: the KV pool (often most of the
+device's memory) is then freed by reference counting the moment its last holder drops it, not whenever Python's
+cycle collector next runs. A model's kept runtime (`runtime_state.py`) holds it too, and must not keep the model
+alive.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 from transformers import PreTrainedModel
@@ -23,11 +25,18 @@ class ModelForward:
     """`forward(ids, plan, keep=None)`: the model's logits `[N, V]` (model dtype) for packed `ids` `[1, N]`."""
 
     def __init__(self, model: PreTrainedModel, cache: S3RCache) -> None:
-        self.model = model
+        self._model = weakref.ref(model)
         self.cache = cache
         parameters = inspect.signature(model.forward).parameters
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self.supports_logits_to_keep = "logits_to_keep" in parameters
+
+    @property
+    def model(self) -> PreTrainedModel:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model this S3R forward ran was garbage-collected")
+        return model
 
     def __call__(self, ids: torch.Tensor, plan: StepPlan, keep: torch.Tensor | None = None) -> torch.Tensor:
         kwargs = {self.cache_argument: self.cache}
@@ -38,7 +47,8 @@ class ModelForward:
             sparse.views, sparse.view_lens = self.cache.index_views.view(None, sparse.slots, width=sparse.view_width)
         self.cache.step = plan
         try:
-            output = self.model(
+            model = self.model
+            output = model(
                 input_ids=ids, position_ids=plan.position_ids, use_cache=True, s3r_step=plan,
                 s3r_cache=self.cache, **kwargs,
             )
@@ -46,7 +56,7 @@ class ModelForward:
             self.cache.step = None
         if len(plan.layers_seen) != self.cache.num_layers:
             raise UnsupportedModelError(
-                f"{type(self.model).__name__}: only {len(plan.layers_seen)} of {self.cache.num_layers} layers called "
+                f"{type(model).__name__}: only {len(plan.layers_seen)} of {self.cache.num_layers} layers called "
                 "the attention function registered with transformers' AttentionInterface; S3R needs every layer's "
                 "attention to go through `cache.update` and `ALL_ATTENTION_FUNCTIONS`"
             )

@@ -1,37 +1,206 @@
-"""What S3R keeps for a model between `generate` calls, and `release(model)` to drop it.
+"""What S3R keeps for a model between `generate` calls (`ModelRuntime`), and `release(model)` to free it.
 
-An RL loop calls `generate` once per step with similar shapes. The adaptive draft-length rule learns, per batch and
-context bucket, what a round costs and how often drafts are accepted; kept per model, a later call starts from what
-earlier calls measured instead of probing every bucket again. It holds a few hundred numbers, no device memory.
-The KV pool, the CUDA graphs and the fused projection weights are still built per call (see docs/architecture.md).
+An RL loop calls `generate` once per step with the same shapes. Building the device state afresh on every call
+costs more than a short rollout's decoding: the KV pool is allocated and zeroed, every CUDA graph is captured again,
+and the fused projection weights are copied. So each model gets one runtime, kept until `release(model)` (or the
+end of a `kept_state(model)` block), and reused by every later call it fits:
+
+- the KV pool (`S3RCache`), reused when the call's requests fit it (same page size, dtype and device, enough
+  request slots, and at least the pages the call would size it to);
+- the CUDA graphs (`DecodeGraphs`) and the model forward they replay, on that same pool;
+- the fused Q/K/V and gate/up weights of compiled layers, refilled in place from the model's weights on every call
+  (the graphs read them by address, so an optimizer step between calls is picked up, and never missed);
+- the adaptive draft-length rule's measurements (a few hundred numbers, no device memory).
+
+Everything a graph reads by address must still be where it was captured: the model's parameters and buffers are
+fingerprinted (address, shape, dtype, device) on every call, and if any moved (`model.to(...)`, new modules, a
+state dict loaded with `assign=True`) the device state is dropped and rebuilt. Values changed in place keep their
+addresses, and the graphs read them as they are.
+
+The runtime refers to the model weakly: it never keeps the model alive.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
 import weakref
+from collections.abc import Iterator
 
 import torch
+from transformers import PreTrainedModel
+from transformers.utils import logging
 
+from s3r_hf.cache.s3r_cache import S3RCache, kv_shape
 from s3r_hf.config import S3RConfig
+from s3r_hf.cuda_graphs import DecodeGraphs
 from s3r_hf.draft_policy import AdaptiveDraftLength, adaptive_for
+from s3r_hf.fused_projections import FusedProjections
+from s3r_hf.model_forward import ModelForward
+
+logger = logging.get_logger(__name__)
+
+# How much more a call may want than the kept pool and graphs were sized for and still reuse them (see
+# `ModelRuntime.reusable_cache` and `graphs_for`): an RL step's prompts differ a little in length from the last's.
+POOL_TOLERANCE = 1.25
+GRAPH_HEADROOM = 1.25
+
+
+class ModelRuntime:
+    """The device state of S3R calls on one model: KV pool, model forward, CUDA graphs, fused weights.
+
+    A runtime made for a single call (`S3RConfig(keep_state=False)`, or an engine built directly) is the same object,
+    dropped with the call.
+    """
+
+    def __init__(self) -> None:
+        self.cache: S3RCache | None = None
+        self.forward: ModelForward | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.fused: FusedProjections | None = None
+        self.policies: dict[int, AdaptiveDraftLength] = {}  # adaptive rules by draft_len
+        self._pages_wanted = 0  # the page count the pool was sized for (before a cap by free memory)
+        self._fingerprint: tuple | None = None
+        self._graphs_compiled = False  # whether the graphs were captured with compiled layers
+
+    # ---------------------------------------------------------------- the model
+    def check_model(self, model: PreTrainedModel) -> None:
+        """Drop the device state if any parameter or buffer of `model` moved or changed shape or dtype since the
+        state was built (captured graphs would read stale addresses)."""
+        fingerprint = _fingerprint(model)
+        if self._fingerprint is not None and fingerprint != self._fingerprint and self.cache is not None:
+            logger.info("the model's weights moved or changed shape or dtype: S3R rebuilds its kept state")
+            self.drop_device_state()
+        self._fingerprint = fingerprint
+
+    def policy(self, draft_len: int) -> AdaptiveDraftLength:
+        """The adaptive draft-length rule for `draft_len`, created on first use."""
+        if draft_len not in self.policies:
+            self.policies[draft_len] = adaptive_for(draft_len)
+        return self.policies[draft_len]
+
+    # ---------------------------------------------------------------- KV pool
+    def reusable_cache(
+        self, model: PreTrainedModel, config: S3RConfig, pages_wanted: int, max_requests: int, device: torch.device
+    ) -> S3RCache | None:
+        """The kept pool, emptied, if a call of `max_requests` requests wanting `pages_wanted` pages fits it; else
+        None. An explicit `config.num_pages` is honoured exactly (it sets how much KV pressure the call sees).
+
+        A pool sized by default holds every request at full length, far more than a rollout whose responses end at
+        EOS ever fills; a call that wants up to `POOL_TOLERANCE` times as many pages still reuses it (its requests
+        would wait or be paused if they all ran to the limit at once, and nothing is lost)."""
+        cache = self.cache
+        if cache is None:
+            return None
+        fits = (
+            kv_shape(model.config) == (cache.num_layers, cache.num_kv_heads, cache.head_dim)
+            and cache.page_size == config.page_size
+            and cache.dtype == model.dtype
+            and cache.device == device
+            and cache.max_requests >= max_requests
+            and (
+                cache.num_pages == config.num_pages if config.num_pages
+                else pages_wanted <= self._pages_wanted * POOL_TOLERANCE
+            )
+        )
+        if not fits:
+            return None
+        cache.reset()  # a call that failed may have left slots open
+        return cache
+
+    def adopt_cache(self, cache: S3RCache, model: PreTrainedModel, pages_wanted: int) -> None:
+        """Make `cache` the runtime's pool (after `drop_device_state`), with the forward that runs on it."""
+        self.cache = cache
+        self.forward = ModelForward(model, cache)
+        self._pages_wanted = pages_wanted
+
+    def drop_device_state(self) -> None:
+        """Free the pool, the graphs and the fused weights (their memory returns to torch's allocator)."""
+        self.cache = self.forward = self.graphs = self.fused = None
+        self._pages_wanted = 0
+
+    # ---------------------------------------------------------------- graphs and fused weights
+    def graphs_for(self, max_pages: int, config: S3RConfig) -> DecodeGraphs:
+        """The kept CUDA graphs if they cover `max_pages` pages per request for `config` (draft length, budget,
+        compiled layers or not); otherwise new ones, the old ones dropped.
+
+        New graphs are sized `GRAPH_HEADROOM` times past `max_pages`: the next RL step's longest prompt is a little
+        longer or shorter, and a graph replays any request that fits its block table.
+        """
+        graphs = self.graphs
+        page_size = self.cache.page_size
+        if (
+            graphs is None
+            or graphs.draft_len != config.draft_len
+            or graphs.max_pages < max_pages
+            or graphs.max_candidates != config.budget(graphs.max_pages * page_size)
+            or self._graphs_compiled != config.compile_layers
+        ):
+            self.graphs = None  # freed before the new graphs capture
+            pages = math.ceil(max_pages * GRAPH_HEADROOM)
+            budget = config.budget(pages * page_size)
+            graphs = self.graphs = DecodeGraphs(self.cache, self.forward, pages, config.draft_len, budget)
+            self._graphs_compiled = config.compile_layers
+        return graphs
+
+    def fused_projections(self, make) -> FusedProjections:
+        """The kept fused projections, or `make()`'s on first use."""
+        if self.fused is None:
+            self.fused = make()
+        return self.fused
+
+    def device_bytes(self) -> int:
+        """Device memory the runtime holds besides the graphs' own pools: the KV pool, index views, fused weights."""
+        total = 0
+        if self.cache is not None:
+            total += sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers)
+            total += self.cache.index_views.positions.nbytes
+        if self.fused is not None:
+            total += self.fused.nbytes
+        return total
+
+
+def _fingerprint(model: torch.nn.Module) -> tuple:
+    return tuple(
+        (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tensor.device)
+        for tensors in (model.parameters(), model.buffers())
+        for tensor in tensors
+    )
+
 
 _lock = threading.Lock()
-_policies: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, AdaptiveDraftLength]] = weakref.WeakKeyDictionary()
+_runtimes: weakref.WeakKeyDictionary[torch.nn.Module, ModelRuntime] = weakref.WeakKeyDictionary()
+
+
+def runtime_for(model: torch.nn.Module) -> ModelRuntime:
+    """The model's kept runtime, created on first use."""
+    with _lock:
+        runtime = _runtimes.get(model)
+        if runtime is None:
+            runtime = _runtimes[model] = ModelRuntime()
+        return runtime
 
 
 def adaptive_policy(model: torch.nn.Module, config: S3RConfig) -> AdaptiveDraftLength:
-    """The model's adaptive draft-length rule for `config.draft_len`, created on first use and kept across calls."""
-    with _lock:
-        per_length = _policies.setdefault(model, {})
-        policy = per_length.get(config.draft_len)
-        if policy is None:
-            policy = per_length[config.draft_len] = adaptive_for(config.draft_len)
-        return policy
+    """The model's adaptive draft-length rule for `config.draft_len`, kept across calls."""
+    return runtime_for(model).policy(config.draft_len)
 
 
 def release(model: torch.nn.Module) -> None:
-    """Forget what S3R learned about `model` in earlier calls (the next call measures its costs afresh). Call it
-    after changing the model's size, dtype or device, or the machine it runs on."""
+    """Free what S3R keeps for `model` between calls: the KV pool, CUDA graphs and fused weights, and the draft-length
+    rule's measurements (the next call builds and measures afresh). An RL trainer calls it before the optimizer step
+    when memory is tight (`S3RGRPOConfig(keep_rollout_state=False)`)."""
     with _lock:
-        _policies.pop(model, None)
+        runtime = _runtimes.pop(model, None)
+    if runtime is not None:
+        runtime.drop_device_state()
+
+
+@contextlib.contextmanager
+def kept_state(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, S3R calls on `model` share one runtime; it is released when the block exits."""
+    try:
+        yield
+    finally:
+        release(model)

@@ -106,3 +106,30 @@ def test_what_the_policy_learned_is_kept_across_calls_until_released():
     assert sum(bucket.rounds for bucket in kept.buckets.values()) > rounds
     s3r_hf.release(model)
     assert adaptive_policy(model, _config()) is not kept
+
+
+class _RecordingScript(ScriptedDraftLength):
+    """A scripted policy that keeps the draft lengths whose round costs the engine reported."""
+
+    def __init__(self, draft_lens: list[int]) -> None:
+        super().__init__(draft_lens)
+        self.costed: list[int] = []
+
+    def observe_cost(self, shape, draft_len, seconds):
+        assert seconds > 0
+        self.costed.append(draft_len)
+
+
+def test_only_rounds_that_follow_a_round_of_the_same_length_are_costed():
+    """The first round after a switch of `k` ran launches its predecessor would have overlapped (and a refresh step
+    is no round of either kind): reporting them would bias the rule against whichever length it probes."""
+    model = s3r_hf.enable(tiny_model("qwen3", seed=57).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 23, 15], seed=58))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=40, s3r_config=_config())
+    switching = _RecordingScript([0, 3])  # rounds: dense, refresh step, draft, dense, refresh step, draft, ...
+    model.generate(input_ids, s3r_draft_policy=switching, **kwargs)
+    assert switching.rounds > 4 and switching.costed == []
+    runs = _RecordingScript([0, 0, 0, 3, 3, 3])
+    model.generate(input_ids, s3r_draft_policy=runs, **kwargs)
+    assert set(runs.costed) == {0, 3}
+    s3r_hf.release(model)

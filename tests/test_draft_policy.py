@@ -12,14 +12,16 @@ SHAPE = RoundShape(rows=64, context=4096)
 
 
 def _drive(policy: AdaptiveDraftLength, cost, alpha: float, rounds: int, shape: RoundShape = SHAPE, seed: int = 0):
-    """Run `rounds` rounds as the engine would: choose k, then report its cost and (for k > 0) 64 requests'
-    acceptance tests, each draft kept with probability `alpha` until the first rejection. Returns the choices."""
+    """Run `rounds` rounds as the engine would: choose k, then report its cost (only when the round before had the
+    same k) and (for k > 0) 64 requests' acceptance tests, each draft kept with probability `alpha` until the first
+    rejection. Returns the choices."""
     rng = random.Random(seed)
     choices = []
     for _ in range(rounds):
         k = policy.choose(shape)
+        if choices and choices[-1] == k:
+            policy.observe_cost(shape, k, cost(k))
         choices.append(k)
-        policy.observe_cost(shape, k, cost(k))
         if k > 0:
             accepted = []
             for _ in range(64):

@@ -181,7 +181,9 @@ def test_default_pool_is_capped_by_free_device_memory(monkeypatch):
                          s3r_config=config)
     assert torch.equal(out, dense)
     assert 0 < out.s3r_stats.peak_kv_pages <= 36
-    # Too little for the longest request alone: the error names the knob.
+    # Too little for the longest request alone: the error names the knob. (Released first: a kept pool would be
+    # reused without looking at the free memory again.)
+    s3r_hf.release(model)
     monkeypatch.setattr(generate_module, "_free_device_memory", lambda device: 2 * 10 * size)
     with pytest.raises(KVCapacityError, match="kv_memory_fraction=0.5"):
         model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40,

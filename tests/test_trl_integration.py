@@ -13,6 +13,7 @@ from datasets import Dataset
 from transformers import LlamaForCausalLM
 
 import s3r_hf
+from s3r_hf.runtime_state import runtime_for
 from tests.conftest import WORDS, tiny_tokenizer, word_model
 from trl_integration import S3RGRPOConfig, S3RGRPOTrainer
 
@@ -46,11 +47,30 @@ def make_trainer(tmp_path, seed: int = 0, s3r_options: dict | None = None, **ove
     )
 
 
-def test_two_grpo_steps_with_s3r_rollouts_log_s3r_metrics(tmp_path):
+def _count_pools(monkeypatch) -> list[int]:
+    """Counts the KV pools built from now on (one entry per pool)."""
+    from s3r_hf.cache import s3r_cache
+
+    built, original_init = [], s3r_cache.S3RCache.__init__
+
+    def counting_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        built.append(1)
+
+    monkeypatch.setattr(s3r_cache.S3RCache, "__init__", counting_init)
+    return built
+
+
+def test_two_grpo_steps_with_s3r_rollouts_log_s3r_metrics(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path)
     s3r_hf.enable(trainer.model)  # an enabled model routes the same way
     before = [p.detach().clone() for p in trainer.model.parameters()]
+    pools = _count_pools(monkeypatch)
     trainer.train()
+    # The second step's rollout reused the first's KV pool (`keep_rollout_state`), across the optimizer step.
+    assert len(pools) == 1
+    assert runtime_for(trainer.model).cache is not None
+    s3r_hf.release(trainer.model)
     logs = [entry for entry in trainer.state.log_history if "s3r/acceptance_rate" in entry]
     assert len(logs) == 2, trainer.state.log_history
     for entry in logs:
@@ -61,6 +81,16 @@ def test_two_grpo_steps_with_s3r_rollouts_log_s3r_metrics(tmp_path):
         assert entry["s3r/num_accepted_tokens_per_pos_0"] <= entry["s3r/num_drafts"]
         assert 1.0 <= entry["s3r/mean_acceptance_length"] <= 4.0 and 1.0 <= entry["s3r/tau"] <= 4.0
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())), "no optimizer step"
+
+
+def test_keep_rollout_state_false_frees_the_pool_after_each_rollout(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path, keep_rollout_state=False)
+    pools = _count_pools(monkeypatch)
+    prompt_ids = [trainer.processing_class(p)["input_ids"] for p in PROMPTS]
+    for _ in range(2):
+        trainer._generate_single_turn(prompt_ids, None, {}, 1)
+        assert runtime_for(trainer.model).cache is None
+    assert len(pools) == 2
 
 
 def _rollouts_against_trl(tmp_path, **trainer_options):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trl import GRPOConfig
@@ -27,6 +27,13 @@ class S3RGRPOConfig(GRPOConfig):
             `"s3r"` drafts and verifies; `"ar"` decodes densely in the same engine (same kernels, KV pool, CUDA graphs
             and compiled layers, no drafting), a baseline that separates what the engine gains over TRL's generation
             from what speculation adds. Both give exact samples.
+        keep_rollout_state (`bool`, defaults to `True`):
+            Keep S3R's KV pool, CUDA graphs and fused weights from one rollout to the next, so that every step after
+            the first captures no graph and allocates no pool (`S3RConfig.keep_state`). They stay in device memory
+            during the optimizer step: the pool holds every rollout sequence at full length (capped by
+            `kv_memory_fraction` of the free memory), plus the graphs' scratch and, with compiled layers, a copy of
+            the Q/K/V and gate/up weights. `False` (or `keep_state: false` in `s3r_config`) frees them when each
+            rollout returns.
     """
 
     use_s3r: bool = field(
@@ -41,6 +48,12 @@ class S3RGRPOConfig(GRPOConfig):
         default="s3r",
         metadata={"help": "'s3r' (speculative rollouts) or 'ar' (the S3R engine's dense decoding, a baseline).",
                   "choices": list(ROLLOUT_MODES)},
+    )
+
+    keep_rollout_state: bool = field(
+        default=True,
+        metadata={"help": "Keep S3R's KV pool and CUDA graphs between rollouts (faster steps; the memory stays held "
+                          "during the optimizer step). False frees them after each rollout."},
     )
 
     def __post_init__(self) -> None:
@@ -64,4 +77,5 @@ class S3RGRPOConfig(GRPOConfig):
                 value = json.loads(value)
             except json.JSONDecodeError as error:
                 raise ValueError(f"s3r_config must be a JSON object of S3RConfig fields: {error}") from error
-        return S3RConfig.coerce(value)
+        config = S3RConfig.coerce(value)
+        return replace(config, keep_state=config.keep_state and self.keep_rollout_state)

@@ -71,8 +71,9 @@ class S3RGRPOTrainer(GRPOTrainer):
     distributed exactly as TRL's own sampling would produce them; the dense log-probability of every sampled
     token is returned to TRL with the completions. Nothing else changes: TRL's own `_generate_single_turn`
     builds the batch, unwraps the model and post-processes the completions; only the model's `generate` call
-    is routed through S3R. Plain and DDP-wrapped models are supported; DeepSpeed and FSDP get a clear error. All request
-    and KV state lives inside that call and is released when it returns, before the optimizer step.
+    is routed through S3R. Plain and DDP-wrapped models are supported; DeepSpeed and FSDP get a clear error. The KV
+    pool, CUDA graphs and fused weights are kept for the next rollout (`S3RGRPOConfig.keep_rollout_state`, on by
+    default), or freed when each rollout returns, before the optimizer step.
 
     Use with `S3RGRPOConfig`; a plain `GRPOConfig` (or `use_s3r=False`) runs TRL's own generation, and
     `s3r_rollout_mode="ar"` the engine's dense decoding (a baseline for benchmarks).

@@ -1,0 +1,203 @@
+"""State kept across `generate` calls (`runtime_state.py`): reused when a call fits, exact after the weights change,
+rebuilt when they move, freed on release, and never keeping the model alive."""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+import s3r_hf
+from s3r_hf import S3RConfig
+from s3r_hf.cuda_graphs import DecodeGraphs
+from s3r_hf.draft_phase import DraftPhase
+from s3r_hf.logits import RaggedLogitsProcessor
+from s3r_hf.runtime_state import runtime_for
+from tests.conftest import left_padded_batch, tiny_model
+
+# On a GPU machine (`S3R_HF_TEST_DEVICE=cuda`) the kept state includes CUDA graphs.
+DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
+ON_CUDA = DEVICE.type == "cuda"
+
+
+def _config(**overrides) -> S3RConfig:
+    settings = dict(adaptive=False, draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, cuda_graphs=ON_CUDA)
+    return S3RConfig(**{**settings, **overrides})
+
+
+def _batch(lengths=(6, 19, 11), seed=41):
+    return tuple(t.to(DEVICE) for t in left_padded_batch(list(lengths), seed=seed))
+
+
+def _greedy(model, input_ids, attention_mask, config=None, max_new_tokens=16):
+    return model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=max_new_tokens,
+                          s3r_config=config)
+
+
+def test_a_second_call_reuses_the_kv_pool_and_stays_exact():
+    model = s3r_hf.enable(tiny_model("qwen3", seed=40).to(DEVICE))
+    input_ids, attention_mask = _batch()
+    dense = _greedy(model, input_ids, attention_mask)
+    first = _greedy(model, input_ids, attention_mask, _config())
+    pool = runtime_for(model).cache
+    assert pool is not None
+    second = _greedy(model, input_ids, attention_mask, _config())
+    assert runtime_for(model).cache is pool
+    assert torch.equal(first, dense) and torch.equal(second, dense)
+    # A slightly longer call (an RL step whose longest prompt grew) and a smaller one reuse it too.
+    longer = _greedy(model, input_ids, attention_mask, _config(), max_new_tokens=18)
+    assert runtime_for(model).cache is pool
+    assert torch.equal(longer, _greedy(model, input_ids, attention_mask, max_new_tokens=18))
+    fewer = _greedy(model, input_ids[:2], attention_mask[:2], _config(), max_new_tokens=8)
+    assert runtime_for(model).cache is pool
+    assert torch.equal(fewer, _greedy(model, input_ids[:2], attention_mask[:2], max_new_tokens=8))
+    s3r_hf.release(model)
+
+
+def test_a_call_that_does_not_fit_builds_a_new_pool():
+    model = s3r_hf.enable(tiny_model("qwen3", seed=42).to(DEVICE))
+    input_ids, attention_mask = _batch()
+    _greedy(model, input_ids[:1], attention_mask[:1], _config())
+    small = runtime_for(model).cache
+    out = _greedy(model, input_ids, attention_mask, _config())  # more requests than the kept pool has slots
+    assert runtime_for(model).cache is not small
+    assert torch.equal(out, _greedy(model, input_ids, attention_mask))
+    # An explicit pool size is honoured exactly: it sets the KV pressure a call sees.
+    _greedy(model, input_ids, attention_mask, _config(num_pages=40))
+    assert runtime_for(model).cache.num_pages == 40
+    s3r_hf.release(model)
+
+
+@pytest.mark.parametrize("compile_layers", [False, True])
+def test_outputs_follow_weights_changed_in_place_between_calls(compile_layers):
+    """An optimizer step between rollouts changes the weights in place. Compiled layers run Q/K/V and gate/up over
+    kept concatenated copies, and CUDA graphs read every weight by address: a copy that was not refilled would
+    decode with the old weights, silently."""
+    model = s3r_hf.enable(tiny_model("llama", seed=43).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=44)
+    config = _config(compile_layers=compile_layers)
+    if compile_layers:
+        torch._dynamo.reset()
+    before = _greedy(model, input_ids, attention_mask, config)
+    assert torch.equal(before, _greedy(model, input_ids, attention_mask))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.5)
+    dense_after = _greedy(model, input_ids, attention_mask)
+    assert not torch.equal(dense_after, before), "the weight change must change the output for the test to have power"
+    after = _greedy(model, input_ids, attention_mask, config)
+    assert torch.equal(after, dense_after)
+    s3r_hf.release(model)
+
+
+def test_weights_that_move_rebuild_the_kept_state():
+    model = s3r_hf.enable(tiny_model("qwen3", seed=45).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=46)
+    _greedy(model, input_ids, attention_mask, _config())
+    pool = runtime_for(model).cache
+    # A new parameter tensor (as `load_state_dict(..., assign=True)` or `model.to(...)` would make).
+    layer = model.model.layers[0].mlp
+    layer.up_proj.weight = torch.nn.Parameter(layer.up_proj.weight.detach() * 1.5)
+    out = _greedy(model, input_ids, attention_mask, _config())
+    assert runtime_for(model).cache is not pool
+    assert torch.equal(out, _greedy(model, input_ids, attention_mask))
+    s3r_hf.release(model)
+
+
+def test_release_and_kept_state_free_the_pool():
+    model = s3r_hf.enable(tiny_model("qwen3", seed=47).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=48)
+    _greedy(model, input_ids, attention_mask, _config())
+    pool = weakref.ref(runtime_for(model).cache)
+    gc.collect()
+    gc.disable()  # reference counting alone must free it
+    try:
+        s3r_hf.release(model)
+        assert pool() is None
+        with s3r_hf.kept_state(model):
+            _greedy(model, input_ids, attention_mask, _config())
+            pool = weakref.ref(runtime_for(model).cache)
+            assert pool() is not None
+        assert pool() is None
+    finally:
+        gc.enable()
+
+
+def test_keep_state_false_frees_the_pool_when_the_call_returns():
+    model = s3r_hf.enable(tiny_model("qwen3", seed=49).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=50)
+    out = _greedy(model, input_ids, attention_mask, _config(keep_state=False))
+    assert runtime_for(model).cache is None
+    assert torch.equal(out, _greedy(model, input_ids, attention_mask))
+    s3r_hf.release(model)
+
+
+def test_the_kept_state_does_not_keep_the_model_alive():
+    model = s3r_hf.enable(tiny_model("qwen3", seed=51).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=52)
+    _greedy(model, input_ids, attention_mask, _config(compile_layers=True))
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_failed_call_drops_the_kept_state():
+    model = s3r_hf.enable(tiny_model("qwen3", seed=53).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=54)
+    _greedy(model, input_ids, attention_mask, _config())
+
+    class Failing:
+        def __call__(self, input_ids, scores, **kwargs):
+            raise RuntimeError("criterion failed")
+
+    with pytest.raises(RuntimeError, match="criterion failed"):
+        model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=8,
+                       stopping_criteria=[Failing()], s3r_config=_config())
+    assert runtime_for(model).cache is None
+    assert torch.equal(_greedy(model, input_ids, attention_mask, _config()), _greedy(model, input_ids, attention_mask))
+    s3r_hf.release(model)
+
+
+def _phase(processors: LogitsProcessorList, greedy: bool = False) -> DraftPhase:
+    return DraftPhase(lambda ids, plan: None, RaggedLogitsProcessor(processors, 2), 3, 4, 0, greedy, 16)
+
+
+def test_draft_phase_graphs_are_told_apart_by_their_processors():
+    """A draft-phase graph bakes the logits processors in: a later call replays it only with equal settings."""
+    warm = _phase(LogitsProcessorList([TemperatureLogitsWarper(0.7)]))
+    same = _phase(LogitsProcessorList([TemperatureLogitsWarper(0.7)]))
+    colder = _phase(LogitsProcessorList([TemperatureLogitsWarper(0.5)]))
+    assert DecodeGraphs.draft_variant(warm) == DecodeGraphs.draft_variant(same)
+    assert DecodeGraphs.draft_variant(warm) != DecodeGraphs.draft_variant(colder)
+    assert DecodeGraphs.draft_variant(warm) != DecodeGraphs.draft_variant(
+        _phase(LogitsProcessorList([TemperatureLogitsWarper(0.7)]), greedy=True)
+    )
+    # Settings that are not plain scalars cannot be compared: each such phase is a variant of its own.
+    opaque = TemperatureLogitsWarper(0.7)
+    opaque.extra = torch.ones(1)
+    first, second = _phase(LogitsProcessorList([opaque])), _phase(LogitsProcessorList([opaque]))
+    assert first.signature is None
+    assert DecodeGraphs.draft_variant(first) != DecodeGraphs.draft_variant(second)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs need S3R_HF_TEST_DEVICE=cuda")
+def test_a_second_call_captures_no_graph():
+    model = s3r_hf.enable(tiny_model("qwen3", seed=55).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=56)
+    config = _config(compile_layers=True)
+    sample = dict(do_sample=True, temperature=0.8, max_new_tokens=24, return_dict_in_generate=True)
+    first = model.generate(input_ids, attention_mask=attention_mask, s3r_config=config, **sample)
+    assert first.s3r_stats.graph_captures > 0
+    second = model.generate(input_ids, attention_mask=attention_mask, s3r_config=config, **sample)
+    assert second.s3r_stats.graph_captures == 0
+    # Other sampling settings are other draft-phase graphs; the forward graphs stay.
+    hotter = model.generate(input_ids, attention_mask=attention_mask, s3r_config=config,
+                            **{**sample, "temperature": 1.2})
+    assert 0 < hotter.s3r_stats.graph_captures < first.s3r_stats.graph_captures
+    assert torch.equal(_greedy(model, input_ids, attention_mask, config), _greedy(model, input_ids, attention_mask))
+    s3r_hf.release(model)
