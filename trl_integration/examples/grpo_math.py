@@ -14,16 +14,18 @@ import argparse
 import json
 from pathlib import Path
 
-from datasets import Dataset, load_dataset
-from math_verify import parse, verify
-
+from s3r_hf.errors import require
 from s3r_hf.models import DEFAULT_MODEL, load_model_and_tokenizer
-from trl_integration import S3RGRPOConfig, S3RGRPOTrainer
+from trl_integration import S3RGRPOConfig, S3RGRPOTrainer  # checks TRL first (missing: names the [trl] extra)
+
+# Both come with the [trl] extra.
+datasets = require("datasets", "trl", "the GRPO math example")
+math_verify = require("math_verify", "trl", "the GRPO math example's reward", package="math-verify")
 
 INSTRUCTION = "Solve the problem step by step and put the final answer in \\boxed{}."
 
 
-def load_math_dataset(source: str, limit: int | None = None) -> Dataset:
+def load_math_dataset(source: str, limit: int | None = None) -> datasets.Dataset:
     """Conversational prompts and reference answers from a local file or a Hub dataset id."""
     path = Path(source)
     if path.suffix == ".jsonl" and path.is_file():
@@ -31,7 +33,7 @@ def load_math_dataset(source: str, limit: int | None = None) -> Dataset:
     elif path.suffix == ".json" and path.is_file():
         records = json.loads(path.read_text())
     else:
-        records = list(load_dataset(source, split="train"))
+        records = list(datasets.load_dataset(source, split="train"))
     rows = {"prompt": [], "answer": []}
     records = [r for r in records if r.get("answer")]  # a few MATH records carry no final answer
     for record in records[:limit]:
@@ -39,7 +41,7 @@ def load_math_dataset(source: str, limit: int | None = None) -> Dataset:
         answer = record["answer"].split("####")[-1].strip()  # GSM8K keeps the final number after ####
         rows["prompt"].append([{"role": "user", "content": f"{question}\n{INSTRUCTION}"}])
         rows["answer"].append(answer)
-    return Dataset.from_dict(rows)
+    return datasets.Dataset.from_dict(rows)
 
 
 def accuracy_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
@@ -47,8 +49,8 @@ def accuracy_reward(completions: list, answer: list[str], **kwargs) -> list[floa
     rewards = []
     for completion, reference in zip(completions, answer):
         text = completion[-1]["content"] if isinstance(completion, list) else completion
-        gold = parse(f"${reference}$")
-        rewards.append(1.0 if gold and verify(gold, parse(text)) else 0.0)
+        gold = math_verify.parse(f"${reference}$")
+        rewards.append(1.0 if gold and math_verify.verify(gold, math_verify.parse(text)) else 0.0)
     return rewards
 
 
