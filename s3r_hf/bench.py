@@ -25,9 +25,13 @@ from transformers.utils import logging
 from s3r_hf.bench_kernels import copy_bandwidth
 from s3r_hf.cache.s3r_cache import page_bytes
 from s3r_hf.config import S3RConfig
+from s3r_hf.errors import UsageError
 from s3r_hf.generate import enable
 
 logger = logging.get_logger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+"""`s3r_hf.models.DEFAULT_MODEL`, the model when no `--model` is given."""
 
 RANDOM_SHAPES = {
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
@@ -38,7 +42,6 @@ RANDOM_SHAPES = {
     "qwen3-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
 }
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "math_train.json"
 
 
 def build_model(name: str, dtype: torch.dtype, device: str) -> tuple[PreTrainedModel, object | None]:
@@ -54,19 +57,46 @@ def build_model(name: str, dtype: torch.dtype, device: str) -> tuple[PreTrainedM
     return load_model_and_tokenizer(name, dtype=dtype, device=device)
 
 
-def text_prompts(tokenizer, batch: int, seq: int, data_path: Path) -> torch.Tensor:
-    """`[batch, seq]` prompts of real math text: problems and solutions from `data_path`, concatenated."""
-    records = json.loads(data_path.read_text())
-    texts = [f"Problem: {r['problem']}\nSolution: {r.get('solution', r.get('answer', ''))}\n\n" for r in records]
-    prompts = []
+def real_texts(records: list[dict]) -> list[str]:
+    """One text per MATH-style record: its problem (or question), then its solution (or answer)."""
+    texts = []
+    for record in records:
+        problem = (record.get("problem") or record.get("question")) if isinstance(record, dict) else None
+        if isinstance(problem, str) and problem.strip():
+            texts.append(f"Problem: {problem}\nSolution: {record.get('solution', record.get('answer', ''))}\n\n")
+    return texts
+
+
+def load_texts(data: str | None = None, dataset: str | None = None, split: str = "train") -> tuple[list[str], str]:
+    """`real_texts` of a MATH-style JSON/JSONL file, a `datasets` id or (neither given) the packaged problems, and the
+    name of their source; a source that cannot be read raises a `UsageError` saying why."""
+    from s3r_hf.rollout_bench import load_records
+
+    records, source = load_records(data, dataset, split)
+    return real_texts(records), source
+
+
+def text_prompts(tokenizer, batch: int, seq: int, texts: list[str]) -> tuple[torch.Tensor, int]:
+    """`[batch, seq]` prompts of real text: `texts` concatenated in turn (reused from the first once all are used).
+
+    Returns the prompts and the number of tokens the distinct texts hold; fewer than `batch * seq` means the prompts
+    repeat text, on which speculative drafts are accepted more often than on fresh text.
+    """
+    if not texts:
+        raise UsageError("the prompt source has no records with a 'problem' or 'question' text")
+    tokenized: dict[int, list[int]] = {}
+    prompts: list[list[int]] = []
     cursor = 0
     for _ in range(batch):
         ids: list[int] = []
         while len(ids) < seq:
-            ids += tokenizer(texts[cursor % len(texts)], add_special_tokens=False)["input_ids"]
+            index = cursor % len(texts)
+            if index not in tokenized:
+                tokenized[index] = tokenizer(texts[index], add_special_tokens=False)["input_ids"]
+            ids += tokenized[index]
             cursor += 1
         prompts.append(ids[:seq])
-    return torch.tensor(prompts)
+    return torch.tensor(prompts), sum(len(ids) for ids in tokenized.values())
 
 
 def random_prompts(vocab: int, batch: int, seq: int) -> torch.Tensor:
@@ -150,22 +180,31 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
     requests = args.requests or batch
     if requests < batch:
         raise ValueError(f"--requests ({requests}) must be at least the batch size ({batch})")
+    repeats = None
     if tokenizer is not None:
-        input_ids = text_prompts(tokenizer, requests, seq, Path(args.data)).to(device)
+        input_ids, distinct = text_prompts(tokenizer, requests, seq, args.texts)
+        input_ids = input_ids.to(device)
+        if distinct < requests * seq:
+            repeats = requests * seq / max(distinct, 1)
+            print(f"\nnote: {args.prompt_source} holds {distinct:,} tokens of text, so the {requests} x {seq} prompt "
+                  f"tokens repeat it {repeats:.1f} times; drafts are accepted more often on repeated text than on "
+                  "fresh text, so acceptance and speedups here are optimistic. For real-text figures pass a larger "
+                  "MATH-style file with --data FILE or a `datasets` id with --dataset ID.")
     else:
         input_ids = random_prompts(model.config.vocab_size, requests, seq).to(device)
     point = {"model": name, "batch": batch, "requests": requests, "seq": seq, "max_new_tokens": args.max_new_tokens,
              "cuda_graphs": args.cuda_graphs, "compile_layers": args.compile_layers,
              "floor_ms": floor_ms(model, batch, seq + args.max_new_tokens // 2, bandwidth),
-             "acceptance_forced": args.acceptance}
+             "acceptance_forced": args.acceptance,
+             "prompt_source": args.prompt_source if tokenizer is not None else "random tokens",
+             "prompt_text_repeats": repeats}
     # At most `batch` requests run at once (a fixed AIMD limit); the rest wait for a slot.
     base = S3RConfig(draft_len=args.draft_len, min_budget=args.min_budget, page_size=16,
                      prefill_chunk_size=args.prefill_chunk, cuda_graphs=args.cuda_graphs,
                      compile_layers=args.compile_layers, concurrency_min=batch, concurrency_max=batch)
     if args.warmup:
         # First-use costs (compilation of new shape classes, Triton compilation, allocator growth) fall here, not
-        # in a timed call. H200, 2026-11-29: without this, the first AR run of the Qwen3-1.7B shape timed 27.1 ms
-        # per step and a repeat of the same command 18.0 ms; where the 9 ms went was not found.
+        # in a timed call: without it the first call of a process is markedly slower than a repeat of it.
         warmup_tokens = min(args.max_new_tokens, 2 * (args.draft_len + 1))
         first_budget = S3RConfig(**{**base.to_dict(), "budget_ratio": args.budget[0]})
         for mode, config, acceptance in [("ar", base, None), ("s3r", first_budget, args.acceptance)]:
@@ -233,8 +272,9 @@ def print_point(point: dict) -> None:
 
 
 def plot(points: list[dict], path: str) -> None:
-    import matplotlib
+    from s3r_hf.errors import require
 
+    matplotlib = require("matplotlib", "bench", "--plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -277,9 +317,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "SmolLM2 reaches on real text; 0.8 accepts 49%% (tau 3.95)",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--data", default=None, help="MATH-style JSON for real-text prompts (default: "
-                        f"{DEFAULT_DATA}; with --rollout, JSON or JSONL, default: the problems shipped in s3r_hf/data)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--data", default=None,
+                        help="MATH-style JSON or JSONL (records with 'problem' or 'question', and 'solution' or "
+                        "'answer') for real models' prompts (default: the problems shipped in s3r_hf/data, which "
+                        "long prompts repeat; the report says so)")
+    parser.add_argument("--dataset", default=None, help="a `datasets` id to take the problems from (instead of --data)")
+    parser.add_argument("--split", default="train", help="split of --dataset (%(default)s)")
     parser.add_argument("--skip-generate", action="store_true", help="do not time model.generate")
     parser.add_argument("--cuda-graphs", action="store_true", help="replay single-token steps as CUDA graphs")
     parser.add_argument("--compile-layers", action="store_true",
@@ -297,19 +341,22 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_from_args(args: argparse.Namespace) -> list[dict] | dict:
-    if getattr(args, "rollout", False):
-        from s3r_hf.rollout_bench import rollout_from_args
+    from s3r_hf.models import resolve_device
+    from s3r_hf.rollout_bench import rollout_from_args
 
+    args.device = str(resolve_device(args.device))  # a clear error for a device this machine does not have
+    if getattr(args, "rollout", False):
         return rollout_from_args(args)
     args.batch = args.batch or "16"
     args.max_new_tokens = args.max_new_tokens or 128
-    args.data = args.data or str(DEFAULT_DATA)
+    if any(name not in RANDOM_SHAPES for name in args.model or [DEFAULT_MODEL]):
+        args.texts, args.prompt_source = load_texts(args.data, args.dataset, args.split)
     args.budget = [float(v) for v in args.budget.split(",")]
     args.refresh_interval = [int(v) for v in str(args.refresh_interval).split(",")]
     dtype = getattr(torch, args.dtype)
     bandwidth = copy_bandwidth() if args.device.startswith("cuda") else float("nan")
     points = []
-    for name in args.model or ["smollm2-135m-instruct"]:
+    for name in args.model or [DEFAULT_MODEL]:
         model, tokenizer = build_model(name, dtype, args.device)
         enable(model)
         for batch in (int(v) for v in args.batch.split(",")):

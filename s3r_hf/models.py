@@ -12,17 +12,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from s3r_hf.errors import DeviceUnavailableError, ModelSourceError, require
+
+if TYPE_CHECKING:  # importing these loads most of transformers: the functions below import what they use
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = transformers.logging.get_logger(__name__)
 
@@ -168,7 +173,7 @@ def ensure_default_model(gguf_path: str | os.PathLike[str] | None = None) -> Pat
         staged = build_dir / "model"
         logger.warning(
             f"Converting {SMOLLM2_GGUF_NAME} to a transformers checkpoint in {target} "
-            "(first use only; takes about a minute on CPU)"
+            "(first use only; about 20 s on a 2-core CPU)"
         )
         model, tokenizer = _load_gguf(Path(gguf_path), dtype=torch.float32)
         model.save_pretrained(staged)
@@ -233,6 +238,9 @@ def _strip_gguf_quantizer(model: PreTrainedModel) -> None:
 
 def _load_gguf(gguf_path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a GGUF file with transformers' GGUF support, dequantized to `dtype`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    require("gguf", None, f"Loading the GGUF file {gguf_path}")
     directory, name = str(gguf_path.parent), gguf_path.name
     logger.info(f"Loading GGUF file {gguf_path}")
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
@@ -248,9 +256,7 @@ def _apply_gguf_special_tokens(gguf_path: Path, model: PreTrainedModel, tokenize
     Some transformers versions (5.17 among them) map this file's EOS to `<|im_start|>` instead of the file's
     `tokenizer.ggml.eos_token_id` (`<|im_end|>`), so chat completions would run past their end.
     """
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(gguf_path)).fields
+    fields = require("gguf", None, f"Loading the GGUF file {gguf_path}").GGUFReader(str(gguf_path)).fields
     for role in ("bos", "eos", "pad"):
         key = f"tokenizer.ggml.{'padding' if role == 'pad' else role}_token_id"
         field = fields.get(key)
@@ -262,10 +268,137 @@ def _apply_gguf_special_tokens(gguf_path: Path, model: PreTrainedModel, tokenize
             setattr(config, f"{role}_token_id", token_id)
 
 
-def _resolve_device(device: str | torch.device | None) -> torch.device:
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """`device` as a `torch.device` (`None`: CUDA when available, else CPU), checked to exist on this machine.
+
+    Raises:
+        DeviceUnavailableError: a device string torch does not know, or a CUDA device where this torch build has no
+            CUDA support or no CUDA device is visible.
+    """
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise DeviceUnavailableError(f"device {device}: not a device torch knows ({error})") from error
+    if resolved.type == "cuda":
+        if torch.version.cuda is None:
+            raise DeviceUnavailableError(
+                f"device {device}: this torch build ({torch.__version__}) has no CUDA support; use the CPU (cpu), or "
+                "install a CUDA build of torch"
+            )
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError(
+                f"device {device}: no CUDA device is visible on this machine; use the CPU (cpu)"
+            )
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise DeviceUnavailableError(
+                f"device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"
+            )
+    return resolved
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Where a model comes from: checked before anything is loaded, so a wrong name fails at once and in one line
+# ----------------------------------------------------------------------------------------------------------
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def _looks_like_path(name: str) -> bool:
+    """Whether `name` can only be meant as a path (a Hub id is `NAME` or `ORGANIZATION/NAME`)."""
+    return name.startswith((".", "/", "~")) or name.endswith(".gguf") or "\\" in name or name.count("/") > 1
+
+
+def _hub_offline() -> bool:
+    """Whether downloads from the Hugging Face Hub are switched off (`HF_HUB_OFFLINE` / `TRANSFORMERS_OFFLINE`)."""
+    from huggingface_hub import constants
+
+    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
+    return bool(constants.HF_HUB_OFFLINE) or any(flag.strip().lower() in ("1", "true", "yes", "on") for flag in flags)
+
+
+def _hub_model_info(repo_id: str):
+    """The Hub's record of `repo_id` (one request, bounded by a timeout; raises what `huggingface_hub` raises)."""
+    from huggingface_hub import model_info
+
+    return model_info(repo_id, timeout=10)
+
+
+def check_model_source(name_or_path: str) -> bool:
+    """Check that `name_or_path` names a model `load_model_and_tokenizer` can load, without loading it.
+
+    Local paths are checked on disk. A Hub id found in the local Hugging Face cache is used from there (offline
+    first); otherwise one request asks the Hub whether it exists, instead of letting the download retry a missing or
+    unreachable repository for half a minute.
+
+    Returns:
+        Whether to load from the local cache only (a Hub id whose `config.json` is cached).
+
+    Raises:
+        ModelSourceError: the path does not exist or is not a checkpoint, the id is malformed, not on the Hub,
+            gated, or not cached while the Hub is unreachable or switched off. The message is one line.
+    """
+    name = os.fspath(name_or_path)
+    if name.lower() == DEFAULT_MODEL and not os.path.isdir(name):
+        return False
+    expanded = os.path.expanduser(name)
+    if os.path.isdir(expanded):
+        if not os.path.isfile(os.path.join(expanded, "config.json")):
+            raise ModelSourceError(
+                f"model {name}: the directory has no config.json, so it is not a transformers checkpoint (give a "
+                "save_pretrained directory, a .gguf file or a Hugging Face Hub id)"
+            )
+        return False
+    if os.path.isfile(expanded):
+        if not name.endswith(".gguf"):
+            raise ModelSourceError(
+                f"model {name}: a file, but not a .gguf file (give a save_pretrained directory, a .gguf file or a "
+                "Hugging Face Hub id)"
+            )
+        return False
+    if _looks_like_path(name):
+        raise ModelSourceError(f"model {name}: no such file or directory")
+    if not _HUB_ID.match(name):
+        raise ModelSourceError(
+            f"model {name}: neither an existing path nor a Hugging Face Hub id (ORGANIZATION/NAME)"
+        )
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return True
+    if _hub_offline():
+        raise ModelSourceError(
+            f"model {name}: not a local path and not in the Hugging Face cache, and HF_HUB_OFFLINE is set, so it "
+            "cannot be downloaded"
+        )
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        _hub_model_info(name)
+    except GatedRepoError as error:
+        raise ModelSourceError(
+            f"model {name}: the model is gated on the Hugging Face Hub; accept its terms on its page and log in "
+            "(hf auth login)"
+        ) from error
+    except RepositoryNotFoundError as error:
+        raise ModelSourceError(
+            f"model {name}: no such model on the Hugging Face Hub (nor a local path of that name; a private model "
+            "needs hf auth login)"
+        ) from error
+    except HfHubHTTPError as error:
+        raise ModelSourceError(f"model {name}: the Hugging Face Hub answered {_first_line(error)}") from error
+    except Exception as error:  # connection refused, DNS, timeouts: whatever the HTTP client raises
+        raise ModelSourceError(
+            f"model {name}: not a local path, not in the Hugging Face cache, and the Hub cannot be reached "
+            f"({type(error).__name__}: {_first_line(error)})"
+        ) from error
+    return False
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "no message"
 
 
 def load_model_and_tokenizer(
@@ -292,30 +425,46 @@ def load_model_and_tokenizer(
     Returns:
         `(model, tokenizer)`, the model in eval mode. A tokenizer without a pad token gets its EOS token as
         pad token, so prompts can be batched.
+
+    Raises:
+        ModelSourceError: `name_or_path` names no loadable model (see `check_model_source`); checked first.
+        DeviceUnavailableError: `device` does not exist on this machine (see `resolve_device`); checked first.
     """
     name = os.fspath(name_or_path)
+    target = resolve_device(device)
+    cached_only = check_model_source(name)
     if name.lower() == DEFAULT_MODEL and not os.path.isdir(name):
         source = ensure_default_model()
         model, tokenizer = _load_pretrained(str(source), dtype)
-    elif name.endswith(".gguf") and os.path.isfile(name):
+    elif name.endswith(".gguf") and os.path.isfile(os.path.expanduser(name)):
+        name = os.path.expanduser(name)
         if sha256_file(name) == SMOLLM2_GGUF_SHA256:
             logger.info(f"{name} is the pinned {SMOLLM2_GGUF_NAME}; using the default model's cache")
             model, tokenizer = _load_pretrained(str(ensure_default_model(gguf_path=name)), dtype)
         else:
             model, tokenizer = _load_gguf(Path(name), dtype)
+    elif cached_only:
+        try:  # offline first: a Hub id already in the cache does not wait on the network
+            model, tokenizer = _load_pretrained(name, dtype, local_files_only=True)
+        except OSError:  # part of it is not cached (e.g. only its config): fetch the rest
+            model, tokenizer = _load_pretrained(name, dtype)
     else:
-        model, tokenizer = _load_pretrained(name, dtype)
+        model, tokenizer = _load_pretrained(os.path.expanduser(name), dtype)
 
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         logger.info(f"Tokenizer has no pad token; using its EOS token {tokenizer.eos_token!r}")
         tokenizer.pad_token = tokenizer.eos_token
-    model.to(_resolve_device(device))
+    model.to(target)
     model.eval()
     return model, tokenizer
 
 
-def _load_pretrained(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _load_pretrained(
+    source: str, dtype: torch.dtype, local_files_only: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     logger.info(f"Loading {source}")
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_files_only)
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
     return model, tokenizer

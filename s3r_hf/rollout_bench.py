@@ -46,6 +46,7 @@ from s3r_hf.bench import RANDOM_SHAPES, build_model, random_prompts
 from s3r_hf.cache.page_allocator import KVCapacityError
 from s3r_hf.config import S3RConfig
 from s3r_hf.demo import build_batch, eos_token_ids, generated_lengths, output_sequences, timed_generate
+from s3r_hf.errors import UsageError, require
 from s3r_hf.generate import enable
 
 logger = logging.get_logger(__name__)
@@ -58,8 +59,8 @@ PACKAGED_PROMPTS = "rollout_prompts.json"
 """MATH-style problems shipped in `s3r_hf/data/`, the prompts when neither `--data` nor `--dataset` is given."""
 
 
-class RolloutUsageError(ValueError):
-    """A `--rollout` flag or prompt source that cannot be used; the CLI reports it in one line and exits with 2."""
+class RolloutUsageError(UsageError):
+    """A `bench` flag or prompt source that cannot be used; the CLI reports it in one line and exits with 2."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -80,21 +81,26 @@ def problem_texts(records: Sequence[dict[str, Any]], source: str) -> list[str]:
     return texts
 
 
-def load_problems(data: str | None = None, dataset: str | None = None, split: str = "train") -> list[str]:
-    """Problem texts from a JSON (a list of records) or JSONL file, a `datasets` id, or the packaged problems."""
+def load_records(data: str | None = None, dataset: str | None = None, split: str = "train") -> tuple[list, str]:
+    """Records (dicts) from a JSON (a list of records) or JSONL file, a `datasets` id, or the packaged problems; and
+    the name of their source. Each failure (both given, no such file, bad JSON, `datasets` missing or unable to
+    load the id, e.g. offline) is a `RolloutUsageError` that says which."""
     if data is not None and dataset is not None:
         raise RolloutUsageError("give the prompts with --data or --dataset, not both")
     if dataset is not None:
-        from datasets import load_dataset
-
+        datasets = require("datasets", "bench", "--dataset")
         try:
-            records = load_dataset(dataset, split=split)
+            records = datasets.load_dataset(dataset, split=split)
         except Exception as error:  # datasets raises many types (not found, no split, offline, ...)
-            raise RolloutUsageError(f"--dataset {dataset} (split {split}): {type(error).__name__}: {error}") from error
-        return problem_texts(list(records), f"--dataset {dataset}")
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise RolloutUsageError(
+                f"--dataset {dataset} (split {split}) could not be loaded ({type(error).__name__}: {first_line}); "
+                "pass a local MATH-style JSON/JSONL file with --data instead"
+            ) from error
+        return list(records), f"--dataset {dataset}"
     if data is None:
         text = resources.files("s3r_hf").joinpath("data", PACKAGED_PROMPTS).read_text(encoding="utf-8")
-        return problem_texts(json.loads(text), PACKAGED_PROMPTS)
+        return json.loads(text), PACKAGED_PROMPTS
     path = Path(data)
     if not path.is_file():
         raise RolloutUsageError(f"--data {data}: no such file")
@@ -107,7 +113,12 @@ def load_problems(data: str | None = None, dataset: str | None = None, split: st
         raise RolloutUsageError(f"--data {data}: not valid JSON/JSONL: {error}") from error
     if not isinstance(records, list):
         raise RolloutUsageError(f"--data {data}: expected a list of records (JSON) or one record per line (JSONL)")
-    return problem_texts(records, str(path))
+    return records, str(path)
+
+
+def load_problems(data: str | None = None, dataset: str | None = None, split: str = "train") -> list[str]:
+    """Problem texts from a JSON (a list of records) or JSONL file, a `datasets` id, or the packaged problems."""
+    return problem_texts(*load_records(data, dataset, split))
 
 
 def rollout_batch(
@@ -354,8 +365,7 @@ def print_point(point: dict[str, Any], console: Console) -> None:
 
 def plot(points: list[dict[str, Any]], path: str) -> None:
     """Bars of warm tokens/s per mode, one group per point; a dash marks each mode's cold (first-call) tokens/s."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "bench", "--plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -395,8 +405,8 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "The RL rollout workload: G sampled responses (T=1, no top-k/top-p, EOS honoured) to each prompt, every "
         "generate call timed whole, for each mode. Shared flags: --model, --max-new-tokens, --draft-len, --budget and "
         "--refresh-interval (one value each), --min-budget, --prefill-chunk, --acceptance (random shapes), --seq "
-        "(random shapes' prompt length), --data, --dtype, --device, --cuda-graphs, --compile-layers, --stages, "
-        "--skip-generate, --json, --plot.",
+        "(random shapes' prompt length), --data, --dataset, --split, --dtype, --device, --cuda-graphs, "
+        "--compile-layers, --stages, --skip-generate, --json, --plot.",
     )
     group.add_argument("--rollout", action="store_true", help="run the rollout benchmark instead of the decode grid")
     group.add_argument("--prompts", type=int, default=8, help="distinct prompts per batch (%(default)s)")
@@ -406,8 +416,6 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
                        + f" (default {DEFAULT_PRESET}; --max-new-tokens overrides)")
     group.add_argument("--calls", type=int, default=3, help="timed calls per mode; the first is cold (%(default)s)")
     group.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of %(default)s")
-    group.add_argument("--dataset", default=None, help="a `datasets` id to take the problems from (instead of --data)")
-    group.add_argument("--split", default="train", help="split of --dataset (%(default)s)")
     group.add_argument("--seed", type=int, default=0, help="call i of every mode samples from seed + i (%(default)s)")
 
 

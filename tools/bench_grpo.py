@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATASET = REPO_ROOT.parent / "shared" / "data" / "math_train.json"
+DEFAULT_DATASET = REPO_ROOT / "s3r_hf" / "data" / "rollout_prompts.json"
+"""The 32 MATH-style problems (with answers) shipped in the package; pass `--dataset` for a real training set."""
 MODES = ("s3r", "engine-ar", "trl", "trl-paged")
 PRESETS = {"default": 1024, "long": 4096}
 """`--preset` name -> max completion length (tokens)."""
@@ -85,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gguf", default=None,
                         help="a local .gguf file to load (same as --model PATH; the pinned SmolLM2 GGUF fills the "
                         "default model's cache, so no network is needed)")
-    parser.add_argument("--dataset", default=str(DEFAULT_DATASET), help="MATH .json, GSM8K .jsonl or a Hub id")
+    parser.add_argument("--dataset", default=str(DEFAULT_DATASET),
+                        help="MATH .json, GSM8K .jsonl or a Hub id (default: the packaged problems)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N problems")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--max-steps", type=int, default=6)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from s3r_hf.bench import build_model, greedy_agreement, text_prompts
+from s3r_hf.bench import build_model, greedy_agreement, load_texts, text_prompts
 from s3r_hf.config import S3RConfig
 from s3r_hf.generate import enable
 
@@ -48,7 +48,7 @@ def tie_gaps(logits: torch.Tensor, differs: torch.Tensor) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--data", required=True)
+    parser.add_argument("--data", default=None, help="MATH-style JSON/JSONL (default: the packaged problems)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", default="4096")
     parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -57,9 +57,10 @@ def main() -> None:
     args = parser.parse_args()
     model, tokenizer = build_model(args.model, getattr(torch, args.dtype), "cuda")
     enable(model)
+    texts = load_texts(args.data)[0]
     results = []
     for seq in (int(v) for v in args.seq.split(",")):
-        input_ids = text_prompts(tokenizer, args.batch, seq, Path(args.data)).cuda()
+        input_ids = text_prompts(tokenizer, args.batch, seq, texts)[0].cuda()
         reference, logits = reference_run(model, input_ids, args.max_new_tokens)
         for mode in ("ar", "s3r"):
             for compiled in (False, True):

@@ -17,27 +17,25 @@ import argparse
 import json
 import logging
 from collections import Counter
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from s3r_hf.bench import DEFAULT_DATA
 from s3r_hf.demo import build_batch, timed_generate
 from s3r_hf.generate import enable
 from s3r_hf.models import load_model_and_tokenizer
+from s3r_hf.rollout_bench import load_problems
 
 
-def grpo_prompts(data_path: Path, prompts: int, generations: int) -> list[str]:
+def grpo_prompts(data: str | None, prompts: int, generations: int) -> list[str]:
     """The first `prompts` problems, each repeated `generations` times (as a GRPO step asks for them)."""
-    records = json.loads(data_path.read_text())[:prompts]
-    return [record["problem"] for record in records for _ in range(generations)]
+    return [problem for problem in load_problems(data)[:prompts] for _ in range(generations)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--data", default=str(DEFAULT_DATA))
+    parser.add_argument("--data", default=None, help="MATH-style JSON/JSONL (default: the packaged problems)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=512)
@@ -55,7 +53,7 @@ def main() -> None:
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=getattr(torch, args.dtype), device=str(device))
     enable(model)
     model.train(not args.eval_mode)
-    batch = build_batch(tokenizer, grpo_prompts(Path(args.data), args.prompts, args.generations), device)
+    batch = build_batch(tokenizer, grpo_prompts(args.data, args.prompts, args.generations), device)
     config = {"return_logprobs": True, **json.loads(args.s3r_config)}
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                   pad_token_id=tokenizer.pad_token_id, s3r_config=config, s3r_timing=True,

@@ -16,12 +16,11 @@ import argparse
 import cProfile
 import pstats
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from s3r_hf.bench import DEFAULT_DATA, build_model, random_prompts, text_prompts
+from s3r_hf.bench import build_model, load_texts, random_prompts, text_prompts
 from s3r_hf.config import S3RConfig
 from s3r_hf.generate import enable
 
@@ -63,7 +62,8 @@ def kernel_table(call: dict, baseline: dict, steps: int, rows: int) -> tuple[str
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3-1.7b")
-    parser.add_argument("--data", default=str(DEFAULT_DATA), help="real-text prompts for a real model")
+    parser.add_argument("--data", default=None,
+                        help="MATH-style JSON/JSONL for a real model's prompts (default: the packaged problems)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--max-new-tokens", type=int, default=112)
@@ -78,7 +78,7 @@ def main() -> None:
     model, tokenizer = build_model(args.model, torch.bfloat16, "cuda")
     enable(model)
     if tokenizer is not None:
-        input_ids = text_prompts(tokenizer, args.batch, args.seq, Path(args.data)).cuda()
+        input_ids = text_prompts(tokenizer, args.batch, args.seq, load_texts(args.data)[0])[0].cuda()
     else:
         input_ids = random_prompts(model.config.vocab_size, args.batch, args.seq).cuda()
     config = S3RConfig(prefill_chunk_size=8192, cuda_graphs=args.cuda_graphs, compile_layers=args.compile_layers,
