@@ -125,8 +125,8 @@ class AdaptiveDraftLength:
         prior_acceptance: float = 0.7,
         prior_weight: float = 4.0,
         acceptance_decay: float = 0.98,
-        min_probe_gap: int = 4,
-        max_probe_gap: int = 256,
+        min_probe_gap: int = 8,
+        max_probe_gap: int = 1024,
         samples: int = 5,
         lengths: tuple[int, ...] | None = None,
         probe_rounds: int = 3,
@@ -269,7 +269,7 @@ class AdaptiveDraftLength:
             gap = self.min_probe_gap
             if self.buckets:
                 gap = max(gap, self._nearest(key)[0].probe_gap)
-            bucket = self.buckets[key] = _BucketCosts(probe_gap=gap // 2, next_probe=gap)
+            bucket = self.buckets[key] = _BucketCosts(probe_gap=gap, next_probe=gap)
         return bucket
 
 

@@ -853,7 +853,9 @@ class S3REngine:
             score_starts=self._int32([0] * len(requests)) if scored else None,
             history_lens=self._tensor(history),
             num_candidates=num_candidates,
-            max_query_len=max(draft_counts) + 1,
+            # The round's length, not its longest block: rounds whose requests all draft fewer (`max_new_tokens` is
+            # near) replay the round's CUDA graph instead of capturing one per shorter width.
+            max_query_len=max(max(draft_counts), self._round_k) + 1,
             max_context=max(c + k + 1 for c, k in zip(committed, draft_counts)),
             max_scored_queries=max(draft_counts) + 1 if scored else 0,
         )
