@@ -166,10 +166,8 @@ _TARGET_PROGRAMS = 528
 _MIN_KEYS_PER_SPLIT = 1024
 
 
-# A dense kernel that also stores the verify logits does more per program and fills the GPU with fewer programs.
-# H200, graph-timed, one Qwen3-1.7B layer, 7-query blocks (ninth session): at B=16, 0.175 / 0.653 ms unsplit at
-# 4K / 16K and 0.110 / 0.387 ms over 2 splits; at B=64, S=8K (512 programs) 0.645 ms unsplit and 0.697 ms over 2;
-# at B=32, S=16K (256 programs) 0.817 ms unsplit and 0.832 ms over 2.
+# A dense kernel that also stores the verify logits does more per program and fills the GPU with fewer programs:
+# splitting pays below 256 programs and not at or above it (docs/benchmarks.md, "Kernel launch settings").
 _TARGET_PROGRAMS_STORING_LOGITS = 256
 
 
@@ -178,9 +176,8 @@ def _num_splits(programs: int, keys: int, min_keys: int, target: int = _TARGET_P
     if programs >= target:
         return 1
     wanted = max(1, min(-(-target // max(programs, 1)), -(-keys // min_keys)))
-    # Rounded down to a power of two. H200, graph-timed, one SmolLM2 layer at B=64 (192 programs): dense decode at
-    # 4K took 0.081 ms unsplit, 0.064 / 0.083 / 0.070 ms over 2 / 3 / 4 splits, and the 7-query verify block
-    # 0.096 / 0.070 / 0.084 / 0.074 ms (unscored); 3 splits, the plain quotient, was the worst of the split counts.
+    # Rounded down to a power of two: at the SmolLM2 grid 3 splits, the plain quotient, timed slower than 2 and 4
+    # (docs/benchmarks.md, "Kernel launch settings").
     return 1 << (wanted.bit_length() - 1)
 
 
@@ -367,12 +364,8 @@ def paged_dense_attention(
 def stores_logits(scored_rows: int, head_dim: int, kv_element_size: int) -> bool:
     """How a verify's scores are made: from the scored rows' logits, stored by the attention kernel (float32, written
     and read back: 8 bytes per row and key), or recomputed from a second read of K (`head_dim` elements per key)
-    by `_verify_scores_kernel`, whichever moves fewer bytes per key and KV head.
-
-    H200, graph-timed, one layer, B=64, 7-query blocks (docs/benchmarks.md, fourth and sixth sessions): SmolLM2 at
-    4K (21 rows of 64-wide heads, 168 vs 128 bytes) 0.195 ms stored vs 0.154 ms recomputed, both unsplit (0.129 ms
-    recomputed over 2 key splits); Qwen3-1.7B at 8K (14 rows of 128-wide heads, 112 vs 256 bytes) 0.648 ms stored
-    vs 0.974 ms recomputed unsplit (0.821 ms over 2 splits).
+    by `_verify_scores_kernel`, whichever moves fewer bytes per key and KV head (the timings that agree with this
+    rule are in docs/benchmarks.md, "Kernel launch settings").
     """
     return scored_rows * 8 < head_dim * kv_element_size
 
@@ -477,7 +470,7 @@ def _reduce_scores_kernel(
     first_query, num_rows = _scored_rows(cu_ptr, start_ptr, segment, GROUP)
     acc = tl.zeros([BLOCK_L], tl.float32)
     # A tile of scored (query, head) rows per iteration, one iteration for a verify block, instead of one row at a
-    # time with two dependent scalar loads each (H200, SmolLM2 4K verify: 0.195 vs 0.200 ms per layer).
+    # time with two dependent scalar loads each.
     for first_row in range(0, num_rows, ROWS):
         rows = first_row + tl.arange(0, ROWS)
         row_ok = rows < num_rows
