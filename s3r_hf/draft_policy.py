@@ -117,6 +117,7 @@ class AdaptiveDraftLength:
         samples: round times kept per (bucket, k).
         lengths: the draft lengths it may choose (default: all of `0..max_draft_len`).
         probe_rounds: consecutive rounds a probe runs (the engine times all but the first).
+        switch_margin: how much more tokens per second drafting must promise to replace dense decoding.
     """
 
     def __init__(
@@ -130,6 +131,7 @@ class AdaptiveDraftLength:
         samples: int = 5,
         lengths: tuple[int, ...] | None = None,
         probe_rounds: int = 3,
+        switch_margin: float = 0.1,
     ) -> None:
         if max_draft_len < 1:
             raise ValueError(f"AdaptiveDraftLength needs max_draft_len >= 1, got {max_draft_len}")
@@ -144,6 +146,7 @@ class AdaptiveDraftLength:
         self.max_probe_gap = max_probe_gap
         self.samples = samples
         self.probe_rounds = probe_rounds
+        self.switch_margin = switch_margin
         self.reached = [0.0] * max_draft_len  # drafts at position j the acceptance test looked at
         self.accepted = [0.0] * max_draft_len
         self.buckets: dict[tuple[int, int], _BucketCosts] = {}
@@ -219,8 +222,13 @@ class AdaptiveDraftLength:
         return max(measured[below] + slope * (k - below), 1e-12) / dense
 
     # ---------------------------------------------------------------- the choice
-    def best(self, key: tuple[int, int]) -> int | None:
-        """The `k` with the most expected tokens per unit of time in bucket `key`; None before any measurement."""
+    def best(self, key: tuple[int, int], current: int | None = None) -> int | None:
+        """The `k` with the most expected tokens per unit of time in bucket `key`; None before any measurement.
+
+        From dense decoding (`current` is 0 or None) drafting must win by `switch_margin`: a switch costs a refresh
+        step and launches that a run of dense steps overlaps, and a few measured rounds are noisy. Near break-even,
+        where drafting gains nothing worth having, the rule stays with dense decoding instead of paying for switches.
+        """
         values = {}
         nearest = self._nearest(key)
         for k in self.lengths:
@@ -229,13 +237,29 @@ class AdaptiveDraftLength:
                 values[k] = self.expected_tokens(k) / ratio
         if len(values) < 2:
             return None
-        return max(values, key=lambda k: (values[k], -k))
+        best = max(values, key=lambda k: (values[k], -k))
+        if best > 0 and not current and 0 in values and values[best] < (1 + self.switch_margin) * values[0]:
+            return 0
+        return best
+
+    def report(self) -> list[dict]:
+        """What the rule measured, per bucket (benchmarks print it): rows and context bucket (lower bounds), rounds
+        seen, the current choice, and the estimated seconds of a round per draft length."""
+        rows = []
+        for (rows_log, context_log), bucket in sorted(self.buckets.items()):
+            rows.append({
+                "rows_from": 2 ** (rows_log - 1) + 1 if rows_log else 1, "rows_to": 2**rows_log,
+                "context_from": 2**context_log, "rounds": bucket.rounds, "choice": bucket.choice,
+                "seconds": {k: bucket.estimate(k) for k in sorted(bucket.seconds)},
+                "samples": {k: len(v) for k, v in sorted(bucket.seconds.items())},
+            })
+        return rows
 
     def choose(self, shape: RoundShape) -> int:
         key = shape.bucket
         bucket = self._bucket(key)
         bucket.rounds += 1
-        best = self.best(key)
+        best = self.best(key, bucket.choice)
         if bucket.probe_left > 0:  # a probe in progress
             bucket.probe_left -= 1
             k = bucket.probe_k

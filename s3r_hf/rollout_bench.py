@@ -48,6 +48,7 @@ from s3r_hf.config import S3RConfig
 from s3r_hf.demo import build_batch, eos_token_ids, generated_lengths, output_sequences, timed_generate
 from s3r_hf.errors import UsageError, require
 from s3r_hf.generate import enable
+from s3r_hf.runtime_state import adaptive_policy
 
 logger = logging.get_logger(__name__)
 
@@ -294,6 +295,8 @@ def run_point(
         extra = mode_kwargs(mode, settings["s3r_config"], forced, settings["stages"])
         point["modes"][mode] = run_mode(model, batch, mode, common, extra, settings["calls"], settings["seed"],
                                         eos_ids, console)
+        if mode == "s3r-adaptive":  # what the rule measured per (rows, context) bucket, over all the calls
+            point["modes"][mode]["policy"] = adaptive_policy(model, extra["s3r_config"]).report()
     point["ratios"] = ratios(point["modes"])
     print_point(point, console)
     return point
