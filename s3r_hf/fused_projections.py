@@ -1,10 +1,10 @@
 """One GEMM for the linears that read the same input (Q/K/V, gate/up) in compiled engine forwards.
 
-At rollout batch sizes a small model's projection GEMM costs its launch, not its bytes (H200, SmolLM2-135M,
-B=64: 3–4 µs each, seven per layer), so Q/K/V as one GEMM and gate/up as one save three launches per layer and
-forward. The model code still calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)`: while an engine runs with compiled
-layers, each of those linears is replaced by a `FusedLinearSlice` that computes the GEMM over the group's
-concatenated weights and returns its own columns. Traced together, the group's slices hold identical GEMMs, and
+At rollout batch sizes a small model's projection GEMM costs its launch, not its bytes (docs/benchmarks.md, log of
+2026-11-29), so Q/K/V as one GEMM and gate/up as one save three launches per layer and forward. The model code
+still calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)`: while an engine runs with compiled layers, each of those
+linears is replaced by a `FusedLinearSlice` that computes the GEMM over the group's concatenated weights and
+returns its own columns. Traced together, the group's slices hold identical GEMMs, and
 `MergeIdenticalGemms` (an inductor graph pass) keeps one of them. Eagerly the slices would run the whole GEMM once
 per member, so they are installed only under `torch.compile` (`compiled_layers.py`).
 

@@ -48,7 +48,8 @@ class SparseIndexViews:
         budgets: torch.Tensor,
         width: int | None = None,
     ) -> None:
-        """Set the views of `slots` in `layer` (every layer when `None`) to `R ∪ TopK_{K-|R|}` (DESIGN §4 step 4).
+        """Set the views of `slots` in `layer` (every layer when `None`) to `R ∪ TopK_{K-|R|}`: the recent positions
+        plus the top-scored ones.
 
         Args:
             layer: the layer, or `None` for all layers at once.

@@ -205,7 +205,7 @@ class S3RCache(Cache):
         keep = self.pages_for(length)
         if release_pages and keep < len(pages):
             self.allocator.free(pages[keep:])
-            self._host_tables.numpy()[slot, keep : len(pages)] = 0  # NumPy view: a tensor slice write is ~10 µs
+            self._host_tables.numpy()[slot, keep : len(pages)] = 0  # NumPy view: a tensor slice write costs far more
             del pages[keep:]
         self.lengths[slot] = length
 
