@@ -18,6 +18,7 @@ from s3r_hf.engine import S3REngine, SamplingSetup
 from s3r_hf.generate_kwargs import check_generate_call
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.request import Request, RequestStatus
+from s3r_hf.runtime_state import runtime_for
 from s3r_hf.validation import (
     prompt_rows,
 )
@@ -55,7 +56,10 @@ class SparseSelfDraftCandidateGenerator(CandidateGenerator):
         self.config = s3r_config
         self.generation_config = generation_config
         generator = torch.Generator(device=cache.device)
-        seed = s3r_config.seed if s3r_config.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        if s3r_config.seed is not None:  # a stream of its own for each call and rank, as in `generate`
+            seed = runtime_for(model).call_seed(s3r_config.seed)
+        else:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
         generator.manual_seed(seed)
         sampling = SamplingSetup(
             logits_processor=RaggedLogitsProcessor(logits_processor, batch_size=1),

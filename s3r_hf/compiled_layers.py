@@ -89,6 +89,15 @@ def compiled_decoder_layers(model: PreTrainedModel, fused: FusedProjections | No
                     layer.forward = previous
 
 
+def compile_counters() -> tuple[int, float]:
+    """`(graphs compiled, seconds spent compiling)` by `torch.compile` in this process so far; the engine reports
+    the difference over a call (`S3RStats.compiled_graphs`, `compile_seconds`)."""
+    from torch._dynamo import utils
+
+    seconds = sum(utils.compilation_time_metrics.get("_compile.compile_inner", ()))
+    return int(utils.counters["stats"]["unique_graphs"]), float(seconds)
+
+
 def _owner_dispatch(model: PreTrainedModel, compiled: Callable, eager: Callable) -> Callable:
     """`compiled` in the thread running S3R on `model`, `eager` in any other thread."""
 

@@ -74,8 +74,14 @@ class S3RConfig:
         return_logprobs (`bool`, defaults to `False`):
             Return the dense log-probability (under the processed target distribution) of every generated token.
         seed (`int`, *optional*):
-            Seed of the `torch.Generator` behind drafting, acceptance and residual sampling. `None` draws from
-            torch's global generator state.
+            Seed of the `torch.Generator` behind drafting, acceptance and residual sampling. Each call on a model and
+            each data-parallel rank derives a stream of its own from it (the first call on rank 0 uses the seed as
+            is), so a fixed seed does not repeat one stream every RL step or on every rank; the n-th call with a seed
+            on a rank is reproducible, counting from the model's first call or its last `s3r_hf.release(model)`.
+            Sampled tokens follow the stream for a given sequence of draft lengths: with `adaptive=True` the lengths
+            come from measured round times, so a seeded call's samples (always exactly distributed) can differ from
+            run to run; set `adaptive=False` for outputs that repeat exactly. Greedy outputs never depend on it.
+            `None` draws from torch's global generator state, as `generate` does.
     """
 
     draft_len: int = 6

@@ -19,7 +19,7 @@ from transformers.utils import logging
 from s3r_hf.attention import s3r_attention
 from s3r_hf.cache.page_allocator import KVCapacityError
 from s3r_hf.cache.s3r_cache import S3RCache
-from s3r_hf.compiled_layers import compiled_decoder_layers, fused_projections_for
+from s3r_hf.compiled_layers import compile_counters, compiled_decoder_layers, fused_projections_for
 from s3r_hf.config import S3RConfig
 from s3r_hf.cuda_graphs import DecodeGraphs
 from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase
@@ -195,6 +195,7 @@ class S3REngine:
         running: list[Request] = []
         paused: deque[Request] = deque()
         compiled = contextlib.nullcontext()
+        compiled_before = compile_counters() if self.config.compile_layers else (0, 0.0)
         if self.config.compile_layers:
             fused = self.runtime.fused_projections(lambda: fused_projections_for(self.model))
             compiled = compiled_decoder_layers(self.model, fused)
@@ -226,6 +227,13 @@ class S3REngine:
                     request.slot = None
                 self.concurrency.update(self.cache.utilization, len(paused))
             self._end_phase(phase, phase_started)
+        if self.config.compile_layers:
+            graphs, seconds = compile_counters()
+            self.stats.compiled_graphs = graphs - compiled_before[0]
+            self.stats.compile_seconds = seconds - compiled_before[1]
+            if self.stats.compiled_graphs:
+                logger.info(f"compiled {self.stats.compiled_graphs} graphs for new shapes in "
+                            f"{self.stats.compile_seconds:.1f} s")
         if self.graphs is not None:  # this call's captures (the graphs may be kept from earlier calls)
             self.stats.graph_captures = self.graphs.captures - captured_before[0]
             self.stats.graph_capture_seconds = self.graphs.capture_seconds - captured_before[1]
@@ -941,8 +949,8 @@ class S3REngine:
             self.sampling.stopping_criteria.advance()
 
     def refresh_views(self, plan: StepPlan, segments: list[int], requests: list[Request], contexts: list[int]):
-        """New index views `R ∪ TopK` from the scores the dense forward recorded (DESIGN §4 step 4), for requests
-        whose committed lengths after the refresh are `contexts`."""
+        """New index views `R ∪ TopK` (the recent positions plus the top-scored ones) from the scores the dense forward
+        recorded, for requests whose committed lengths after the refresh are `contexts`."""
         if not requests:
             return
         for request, context in zip(requests, contexts):

@@ -94,8 +94,8 @@ def generate(
     device = model.device
     greedy = not generation_config.do_sample
     generator = torch.Generator(device=device)
-    if config.seed is not None:
-        generator.manual_seed(config.seed)
+    if config.seed is not None:  # a stream of its own for each call and rank (`ModelRuntime.call_seed`)
+        generator.manual_seed(runtime_for(model).call_seed(config.seed))
     else:  # follow torch's global seed, as `generate` does
         generator.manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
 

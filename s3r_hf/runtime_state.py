@@ -10,7 +10,8 @@ end of a `kept_state(model)` block), and reused by every later call it fits:
 - the CUDA graphs (`DecodeGraphs`) and the model forward they replay, on that same pool;
 - the fused Q/K/V and gate/up weights of compiled layers, refilled in place from the model's weights on every call
   (the graphs read them by address, so an optimizer step between calls is picked up, and never missed);
-- the adaptive draft-length rule's measurements (a few hundred numbers, no device memory).
+- the adaptive draft-length rule's measurements (a few hundred numbers, no device memory);
+- how many calls used each fixed `S3RConfig.seed` (`call_seed`), so that successive calls draw new streams.
 
 Everything a graph reads by address must still be where it was captured: the model's parameters and buffers are
 fingerprinted (address, shape, dtype, device) on every call, and if any moved (`model.to(...)`, new modules, a
@@ -23,7 +24,9 @@ The runtime refers to the model weakly: it never keeps the model alive.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -60,6 +63,7 @@ class ModelRuntime:
         self.graphs: DecodeGraphs | None = None
         self.fused: FusedProjections | None = None
         self.policies: dict[int, AdaptiveDraftLength] = {}  # adaptive rules by draft_len
+        self.seed_calls: dict[int, int] = {}  # calls so far per fixed seed
         self._pages_wanted = 0  # the page count the pool was sized for (before a cap by free memory)
         self._fingerprint: tuple | None = None
         self._graphs_compiled = False  # whether the graphs were captured with compiled layers
@@ -79,6 +83,20 @@ class ModelRuntime:
         if draft_len not in self.policies:
             self.policies[draft_len] = adaptive_for(draft_len)
         return self.policies[draft_len]
+
+    def call_seed(self, seed: int) -> int:
+        """The generator seed of this call for a fixed `S3RConfig.seed`: different on every rank and for every
+        call on the model (counted since the model's first call or its last `release`), so an RL loop with a fixed
+        seed does not replay one random stream each step, nor draw the same one on every rank (TRL seeds each
+        device apart for the same reason). The first call on rank 0 uses `seed` itself. The n-th call with a seed on
+        a rank is reproducible: the same seed, rank and count give the same stream."""
+        count = self.seed_calls.get(seed, 0)
+        self.seed_calls[seed] = count + 1
+        rank = process_rank()
+        if rank == 0 and count == 0:
+            return seed
+        digest = hashlib.blake2b(f"s3r-hf:{seed}:{rank}:{count}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1  # 63 bits: any torch.Generator seed
 
     # ---------------------------------------------------------------- KV pool
     def reusable_cache(
@@ -161,6 +179,14 @@ class ModelRuntime:
         return total
 
 
+def process_rank() -> int:
+    """This process's rank among the data-parallel workers: torch.distributed's when it is initialized, else the
+    `RANK` variable that `accelerate launch` and `torchrun` set, else 0."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
 def _fingerprint(model: torch.nn.Module) -> tuple:
     return tuple(
         (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tensor.device)
@@ -188,9 +214,9 @@ def adaptive_policy(model: torch.nn.Module, config: S3RConfig) -> AdaptiveDraftL
 
 
 def release(model: torch.nn.Module) -> None:
-    """Free what S3R keeps for `model` between calls: the KV pool, CUDA graphs and fused weights, and the draft-length
-    rule's measurements (the next call builds and measures afresh). An RL trainer calls it before the optimizer step
-    when memory is tight (`S3RGRPOConfig(keep_rollout_state=False)`)."""
+    """Free what S3R keeps for `model` between calls: the KV pool, CUDA graphs and fused weights, the draft-length
+    rule's measurements (the next call builds and measures afresh) and the count of calls per fixed seed. Call it
+    when the memory is needed elsewhere; `S3RConfig(keep_state=False)` keeps no device state in the first place."""
     with _lock:
         runtime = _runtimes.pop(model, None)
     if runtime is not None:

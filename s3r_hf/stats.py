@@ -48,6 +48,10 @@ class S3RStats:
     decode_seconds: float = 0.0  # CUDA-graph captures included
     graph_captures: int = 0
     graph_capture_seconds: float = 0.0  # part of decode_seconds spent capturing CUDA graphs
+    # torch.compile work during the call (`S3RConfig.compile_layers`): graphs compiled for shapes not seen before in
+    # the process, and the seconds spent compiling them (part of prefill and decode time).
+    compiled_graphs: int = 0
+    compile_seconds: float = 0.0
     # Per-stage wall time of the rounds (draft, verify, accept, refresh) with `s3r_timing="stages"` only: the
     # device is synchronized between stages, which removes host/device overlap, so use it to see where a round's
     # time goes, not for the headline numbers.
@@ -151,6 +155,8 @@ class S3RStats:
             "decode_seconds": self.decode_seconds,
             "graph_captures": self.graph_captures,
             "graph_capture_seconds": self.graph_capture_seconds,
+            "compiled_graphs": self.compiled_graphs,
+            "compile_seconds": self.compile_seconds,
             "stage_seconds": dict(self.stage_seconds),
             "draft_length_counts": dict(sorted(self.draft_length_counts.items())),
             "num_draft_tokens": self.num_draft_tokens,

@@ -29,6 +29,7 @@ def test_compiled_layers_greedy_match_dense_and_are_removed_afterwards():
                          s3r_config=config)
     assert torch.equal(out, dense)
     assert out.s3r_stats.drafted > out.s3r_stats.accepted
+    assert out.s3r_stats.compiled_graphs > 0 and out.s3r_stats.compile_seconds > 0
     # A second call reuses the compiled graphs.
     compiled_frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert compiled_frames > 0
@@ -36,6 +37,7 @@ def test_compiled_layers_greedy_match_dense_and_are_removed_afterwards():
                          s3r_config=config)
     assert torch.equal(out, dense)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled_frames, "a second call recompiled"
+    assert out.s3r_stats.compiled_graphs == 0 and out.s3r_stats.compile_seconds == 0
     # The model's own forward (training, plain generate) is eager again.
     assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))
 

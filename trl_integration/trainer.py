@@ -127,3 +127,5 @@ class S3RGRPOTrainer(GRPOTrainer):
         metrics["s3r/peak_kv_pages"].append(float(stats.peak_kv_pages))
         metrics["s3r/offload_episodes"].append(float(stats.offload_episodes))
         metrics["s3r/graph_capture_seconds"].append(stats.graph_capture_seconds)
+        metrics["s3r/compiled_graphs"].append(float(stats.compiled_graphs))
+        metrics["s3r/compile_seconds"].append(stats.compile_seconds)
