@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "UnsupportedModelError": "s3r_hf.validation",
     "assisted_generate": "s3r_hf.candidate_generator",
     "enable": "s3r_hf.generate",
+    "gathered_parameters": "s3r_hf.sharding",
     "generate": "s3r_hf.generate",
     "kept_state": "s3r_hf.runtime_state",
     "release": "s3r_hf.runtime_state",
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only; at run time `__getattr__` 
     from s3r_hf.config import S3RConfig  # noqa: F401
     from s3r_hf.generate import S3RGenerateOutput, enable, generate  # noqa: F401
     from s3r_hf.runtime_state import kept_state, release  # noqa: F401
+    from s3r_hf.sharding import gathered_parameters  # noqa: F401
     from s3r_hf.stats import S3RStats  # noqa: F401
     from s3r_hf.validation import UnsupportedModelError  # noqa: F401
 

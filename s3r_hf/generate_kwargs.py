@@ -25,6 +25,7 @@ from transformers.generation.utils import GenerationMixin
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
 
+from s3r_hf.sharding import is_gathered
 from s3r_hf.validation import (
     check_generation_config,
     check_logits_processors,
@@ -74,12 +75,15 @@ def dropped_generate_arguments() -> dict[str, Any]:
 def check_not_synced(model: PreTrainedModel, synced_gpus: bool | None) -> None:
     """Refuse `synced_gpus` (set, or implied as transformers implies it: DeepSpeed ZeRO-3 or FSDP over several
     processes), where every process must keep running forwards until all are done."""
+    if is_gathered(model):  # full parameters for the whole call: no forward runs a collective
+        return
     if synced_gpus is None:
         synced_gpus = (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)) and _world_size() > 1
     if synced_gpus:
         raise ValueError(
             "S3R does not support synced_gpus=True (DeepSpeed ZeRO-3 / FSDP generation, where every process must "
-            "keep running forwards until all have finished); generate without s3r_config, or on an unsharded model"
+            "keep running forwards until all have finished); for an FSDP2 model, generate inside "
+            "`with s3r_hf.gathered_parameters(model):`, or without s3r_config, or on an unsharded model"
         )
 
 

@@ -33,9 +33,10 @@ def make_trainer(tmp_path, seed: int = 0, s3r_options: dict | None = None, **ove
     tokenizer = tiny_tokenizer()
     tokenizer.pad_token = "<eos>"
     overrides.setdefault("max_steps", 2)
+    overrides.setdefault("use_cpu", True)
     args = S3RGRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=10,
-        learning_rate=1e-2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+        learning_rate=1e-2, logging_steps=1, report_to="none", save_strategy="no",
         seed=seed, temperature=1.0, dataloader_num_workers=0, bf16=False,
         s3r_config={"draft_len": 3, "budget_ratio": 0.1, "min_budget": 2, "page_size": 4, "seed": seed,
                     **(s3r_options or {})},
@@ -164,7 +165,7 @@ def test_accelerate_launch_two_cpu_processes():
         assert "wrapped=DistributedDataParallel" in line, line
 
 
-def test_sharded_models_get_a_clear_error():
+def test_deepspeed_and_fsdp1_get_a_clear_error_and_fsdp2_passes():
     from types import SimpleNamespace
 
     from trl_integration.trainer import check_sharding_supported
@@ -172,5 +173,12 @@ def test_sharded_models_get_a_clear_error():
     check_sharding_supported(SimpleNamespace(is_deepspeed_enabled=False, is_fsdp_enabled=False))
     with pytest.raises(NotImplementedError, match="DeepSpeed"):
         check_sharding_supported(SimpleNamespace(is_deepspeed_enabled=True, is_fsdp_enabled=False))
-    with pytest.raises(NotImplementedError, match="FSDP"):
-        check_sharding_supported(SimpleNamespace(is_deepspeed_enabled=False, is_fsdp_enabled=True))
+
+    def fsdp(version):
+        plugin = SimpleNamespace(fsdp_version=version)
+        return SimpleNamespace(is_deepspeed_enabled=False, is_fsdp_enabled=True,
+                               accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)))
+
+    with pytest.raises(NotImplementedError, match="FSDP1"):
+        check_sharding_supported(fsdp(1))
+    check_sharding_supported(fsdp(2))

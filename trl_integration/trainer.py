@@ -13,17 +13,26 @@ from trl import GRPOTrainer
 
 from s3r_hf.config import S3RConfig
 from s3r_hf.generate import generate as s3r_generate
+from s3r_hf.sharding import gathered_parameters
 from s3r_hf.stats import S3RStats
 from s3r_hf.validation import check_model_supported
 
 
 def check_sharding_supported(trainer) -> None:
-    """S3R rollouts run on plain and DDP-wrapped models; sharded ones are refused until they are tested."""
-    for flag, name in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")):
-        if getattr(trainer, flag, False):
+    """S3R rollouts run on plain, DDP and FSDP2 models (the last with its parameters gathered for each rollout,
+    `s3r_hf.sharding`); FSDP1 and DeepSpeed are refused with what to use instead."""
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise NotImplementedError(
+            "S3R rollouts under DeepSpeed are not supported (not tested); use FSDP2 (accelerate: fsdp_version: 2), "
+            "DDP, or use_s3r=False in S3RGRPOConfig to generate with TRL's own path"
+        )
+    if getattr(trainer, "is_fsdp_enabled", False):
+        plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+        if getattr(plugin, "fsdp_version", 1) != 2:
             raise NotImplementedError(
-                f"S3R rollouts under {name} are not supported yet (only plain and DDP models are); set "
-                "use_s3r=False in S3RGRPOConfig to generate with TRL's own path"
+                "S3R rollouts under FSDP1 are not supported: its wrappers refuse forwards while their full "
+                "parameters are summoned. Use FSDP2 (accelerate: fsdp_version: 2), DDP, or use_s3r=False in "
+                "S3RGRPOConfig to generate with TRL's own path"
             )
 
 
@@ -71,7 +80,8 @@ class S3RGRPOTrainer(GRPOTrainer):
     distributed exactly as TRL's own sampling would produce them; the dense log-probability of every sampled
     token is returned to TRL with the completions. Nothing else changes: TRL's own `_generate_single_turn`
     builds the batch, unwraps the model and post-processes the completions; only the model's `generate` call
-    is routed through S3R. Plain and DDP-wrapped models are supported; DeepSpeed and FSDP get a clear error. The KV
+    is routed through S3R. Plain, DDP and FSDP2 models are supported (FSDP2 parameters are gathered for each rollout);
+    DeepSpeed and FSDP1 get a clear error. The KV
     pool, CUDA graphs and fused weights are kept for the next rollout (`S3RGRPOConfig.keep_rollout_state`, on by
     default), or freed when each rollout returns, before the optimizer step.
 
@@ -93,7 +103,9 @@ class S3RGRPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
         recorder = _RolloutRecorder(self.s3r_config, getattr(self.args, "s3r_rollout_mode", "s3r"))
-        with recorder.route(self.accelerator.unwrap_model(self.model)):
+        model = self.accelerator.unwrap_model(self.model)
+        # FSDP2: the full parameters for the whole rollout, so no rank waits on another's forwards (a no-op otherwise).
+        with recorder.route(model), gathered_parameters(model):
             completion_ids, _ = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
