@@ -33,6 +33,7 @@ from s3r_hf.validation import UnsupportedModelError
 
 # One compiled function per decoder-layer class, shared by its layers (and by every model of that class).
 _compiled_forwards: dict[type, Callable] = {}
+RECOMPILE_LIMIT = 64
 
 
 def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
@@ -70,8 +71,14 @@ def compiled_decoder_layers(model: PreTrainedModel, fused: FusedProjections | No
     layers = decoder_layers(model)
     fused = fused if fused is not None else fused_projections_for(model)
     saved = [(layer, layer.__dict__.get("forward")) for layer in layers]
-    # `layer_idx` would otherwise be a constant of each layer's graph: one recompilation per layer.
-    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), fused.installed():
+    # `layer_idx` would otherwise be a constant of each layer's graph: one recompilation per layer. The frames between
+    # the attention's graph breaks see a new token count in every kind of step (prefill chunks, each CUDA-graph bucket
+    # of dense steps, draft passes and verify blocks) until torch marks the count dynamic, and dynamo's default limit
+    # of eight recompilations per frame is reached within a first call: past it a frame runs eagerly, uncompiled,
+    # for every new shape, with only a warning. A higher limit lets each frame settle on its dynamic graph instead.
+    config = torch._dynamo.config
+    limit = {"recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit": RECOMPILE_LIMIT}
+    with config.patch(allow_unspec_int_on_nn_module=True, **limit), fused.installed():
         try:
             for layer, previous in saved:
                 cls = type(layer)

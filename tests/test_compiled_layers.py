@@ -100,3 +100,23 @@ def test_compiled_layers_follow_weight_updates_between_calls():
     dense = model.generate(input_ids, **kwargs)
     assert not torch.equal(dense, before), "the update must change the greedy continuations"
     assert torch.equal(model.generate(input_ids, s3r_config=config, **kwargs), dense)
+
+
+def test_calls_of_new_shapes_settle_without_falling_back_to_eager():
+    """Each call brings new token counts (prompt chunks, batch sizes, verify blocks). Past dynamo's default limit of
+    eight recompilations a frame would run uncompiled for every new shape, silently; the compiled layers must settle
+    on dynamic graphs instead, and later calls compile nothing."""
+    from torch._dynamo.utils import counters
+
+    model = s3r_hf.enable(tiny_model("qwen3", seed=35, num_hidden_layers=2).to(DEVICE))
+    config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, compile_layers=True,
+                       cuda_graphs=DEVICE.type == "cuda")
+    torch._dynamo.reset()
+    compiled = []
+    for call, lengths in enumerate([[5, 9, 13, 7], [6, 11, 4], [8, 8, 8, 8, 8], [12, 3], [7, 14, 9, 10, 5, 6]]):
+        input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch(lengths, seed=call))
+        out = model.generate(input_ids, attention_mask=attention_mask, do_sample=True, max_new_tokens=20,
+                             s3r_config=config)
+        compiled.append(out.s3r_stats.compiled_graphs)
+    assert counters["frames"]["ok"] == counters["frames"]["total"], "a frame fell back to eager"
+    assert compiled[0] > 0 and compiled[-2:] == [0, 0], compiled
