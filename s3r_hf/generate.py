@@ -165,8 +165,9 @@ def _kv_pool(
 ) -> S3RCache:
     """The runtime's kept pool when the call fits it, else a new one (the old one freed first, so its memory counts
     as free when the new one is sized)."""
-    wanted = config.num_pages or _pages_at_full_length(requests, config)
-    cache = runtime.reusable_cache(model, config, wanted, len(requests), device)
+    peaks = [-(-r.peak_kv_tokens(config.draft_len) // config.page_size) for r in requests]
+    wanted = config.num_pages or max(1, sum(peaks))
+    cache = runtime.reusable_cache(model, config, wanted, max(peaks, default=1), len(requests), device)
     if cache is not None:
         return cache
     runtime.drop_device_state()
@@ -180,10 +181,6 @@ def _kv_pool(
     )
     runtime.adopt_cache(cache, model, wanted)
     return cache
-
-
-def _pages_at_full_length(requests: list[Request], config: S3RConfig) -> int:
-    return max(1, sum(-(-r.peak_kv_tokens(config.draft_len) // config.page_size) for r in requests))
 
 
 def _default_num_pages(requests: list[Request], config: S3RConfig, model: PreTrainedModel, device: torch.device) -> int:

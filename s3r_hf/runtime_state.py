@@ -100,10 +100,12 @@ class ModelRuntime:
 
     # ---------------------------------------------------------------- KV pool
     def reusable_cache(
-        self, model: PreTrainedModel, config: S3RConfig, pages_wanted: int, max_requests: int, device: torch.device
+        self, model: PreTrainedModel, config: S3RConfig, pages_wanted: int, longest_pages: int, max_requests: int,
+        device: torch.device,
     ) -> S3RCache | None:
-        """The kept pool, emptied, if a call of `max_requests` requests wanting `pages_wanted` pages fits it; else
-        None. An explicit `config.num_pages` is honoured exactly (it sets how much KV pressure the call sees).
+        """The kept pool, emptied, if a call of `max_requests` requests wanting `pages_wanted` pages, the longest
+        `longest_pages`, fits it; else None. An explicit `config.num_pages` is honoured exactly (it sets how much KV
+        pressure the call sees).
 
         A pool sized by default holds every request at full length, far more than a rollout whose responses end at
         EOS ever fills; a call that wants up to `POOL_TOLERANCE` times as many pages still reuses it (its requests
@@ -117,6 +119,7 @@ class ModelRuntime:
             and cache.dtype == model.dtype
             and cache.device == device
             and cache.max_requests >= max_requests
+            and cache.num_pages >= longest_pages
             and (
                 cache.num_pages == config.num_pages if config.num_pages
                 else pages_wanted <= self._pages_wanted * POOL_TOLERANCE

@@ -201,3 +201,15 @@ def test_a_second_call_captures_no_graph():
     assert 0 < hotter.s3r_stats.graph_captures < first.s3r_stats.graph_captures
     assert torch.equal(_greedy(model, input_ids, attention_mask, config), _greedy(model, input_ids, attention_mask))
     s3r_hf.release(model)
+
+
+def test_a_longer_single_request_does_not_reuse_a_pool_it_cannot_fit():
+    """One request that grew by less than the pool's tolerance still needs room for itself alone."""
+    model = s3r_hf.enable(tiny_model("qwen3", seed=59).to(DEVICE))
+    input_ids, attention_mask = _batch(lengths=(12,), seed=60)
+    _greedy(model, input_ids, attention_mask, _config(), max_new_tokens=30)
+    pool = runtime_for(model).cache
+    out = _greedy(model, input_ids, attention_mask, _config(), max_new_tokens=36)
+    assert runtime_for(model).cache is not pool
+    assert torch.equal(out, _greedy(model, input_ids, attention_mask, max_new_tokens=36))
+    s3r_hf.release(model)
