@@ -93,16 +93,17 @@ def model_kind(request) -> str:
 def view_checks(monkeypatch):
     """After every round: each running request's views are sorted, end at its last committed position, and are as
     long as the host thinks. Also counts refreshed and extended rounds."""
-    from s3r_hf.engine import S3REngine
+    from s3r_hf.engine.round import SpeculativeRound
+    from s3r_hf.engine.view_updates import IndexViewUpdates
     from s3r_hf.request import RequestStatus
 
     counts = {"refresh": 0, "extend": 0}
-    original_round, original_rebuild, original_extend = (
-        S3REngine._round, S3REngine._rebuild_views, S3REngine._extend_views
+    original_run, original_rebuild, original_extend = (
+        SpeculativeRound.run, IndexViewUpdates.rebuild, IndexViewUpdates.extend
     )
 
-    def checked_round(self, requests, k):
-        original_round(self, requests, k)
+    def checked_run(self, requests, k):
+        original_run(self, requests, k)
         views = self.cache.index_views
         for request in requests:
             if request.status is RequestStatus.FINISHED:
@@ -111,7 +112,7 @@ def view_checks(monkeypatch):
             assert length == request.view_len
             positions = views.positions[:, request.slot, :, :length]
             assert bool((positions[..., 1:] > positions[..., :-1]).all()), "a view is not sorted"
-            if not self._views_stale:  # after a dense step the views wait for the next refresh
+            if not self.views_stale:  # after a dense step the views wait for the next refresh
                 assert bool((positions[..., -1] == request.committed - 1).all()), "a view misses the latest token"
 
     def counted(name, original):
@@ -120,7 +121,7 @@ def view_checks(monkeypatch):
             return original(self, *args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(S3REngine, "_round", checked_round)
-    monkeypatch.setattr(S3REngine, "_rebuild_views", counted("refresh", original_rebuild))
-    monkeypatch.setattr(S3REngine, "_extend_views", counted("extend", original_extend))
+    monkeypatch.setattr(SpeculativeRound, "run", checked_run)
+    monkeypatch.setattr(IndexViewUpdates, "rebuild", counted("refresh", original_rebuild))
+    monkeypatch.setattr(IndexViewUpdates, "extend", counted("extend", original_extend))
     return counts

@@ -10,7 +10,8 @@ from transformers import StoppingCriteriaList
 
 import s3r_hf
 from s3r_hf import S3RConfig
-from s3r_hf.engine import S3REngine, SamplingSetup
+from s3r_hf.engine import SamplingSetup
+from s3r_hf.engine.commit import Committer
 from s3r_hf.request import Request, RequestStatus
 from s3r_hf.stats import S3RStats
 from tests.conftest import left_padded_batch, tiny_model
@@ -27,12 +28,10 @@ def _request(max_new_tokens: int, generated: int) -> Request:
     return request
 
 
-def _commit_engine(eos_token_ids: set[int]) -> S3REngine:
-    """An engine with only what `_commit` and `_commit_block` read: the sampling setup, with no per-token outputs."""
-    engine = S3REngine.__new__(S3REngine)
-    engine.sampling = SamplingSetup(logits_processor=None, greedy=True, eos_token_ids=eos_token_ids,
-                                    stopping_criteria=StoppingCriteriaList(), generator=None)
-    return engine
+def _committer(eos_token_ids: set[int]) -> Committer:
+    """A committer whose sampling setup has no per-token outputs."""
+    return Committer(SamplingSetup(logits_processor=None, greedy=True, eos_token_ids=eos_token_ids,
+                                   stopping_criteria=StoppingCriteriaList(), generator=None))
 
 
 def _state(request: Request) -> tuple:
@@ -49,15 +48,15 @@ def test_block_commit_stops_where_per_token_commit_does():
         generated = rng.randint(0, max_new_tokens - 1)
         proposals = [rng.randint(20, 30) for _ in range(rng.randint(1, 6))]  # EOS ids anywhere, or nowhere
         logprobs = [-rng.random() for _ in proposals] if rng.random() < 0.5 else None
-        engine = _commit_engine(eos)
+        committer = _committer(eos)
         expected, actual = _request(max_new_tokens, generated), _request(max_new_tokens, generated)
         count = 0
         for offset, token in enumerate(proposals):
             count += 1
             logprob = logprobs[offset] if logprobs is not None else None
-            if engine._commit(expected, token, scores, offset, scores, offset, logprob):
+            if committer.commit(expected, token, scores, offset, scores, offset, logprob):
                 break
-        assert engine._commit_block(actual, proposals, logprobs) == count
+        assert committer.commit_block(actual, proposals, logprobs) == count
         assert _state(actual) == _state(expected)
         cases += count < len(proposals)
     assert cases > 100, "blocks cut by EOS or max_new_tokens must be among the cases"
@@ -76,14 +75,14 @@ def test_eos_inside_an_accepted_block_matches_dense(monkeypatch):
     model = s3r_hf.enable(tiny_model("llama", seed=5))
     input_ids, attention_mask = left_padded_batch([8, 20, 31, 14], seed=6)
     blocks = []  # (row, proposals, committed) of every block commit
-    commit_block = S3REngine._commit_block
+    commit_block = Committer.commit_block
 
-    def recording_commit_block(engine, request, proposals, logprobs):
-        count = commit_block(engine, request, proposals, logprobs)
+    def recording_commit_block(committer, request, proposals, logprobs):
+        count = commit_block(committer, request, proposals, logprobs)
         blocks.append((request.row, list(proposals), count))
         return count
 
-    monkeypatch.setattr(S3REngine, "_commit_block", recording_commit_block)
+    monkeypatch.setattr(Committer, "commit_block", recording_commit_block)
     config = S3RConfig(**{**SMALL_BUDGET.to_dict(), "return_logprobs": True})
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=40, pad_token_id=0,
                   return_dict_in_generate=True)

@@ -13,7 +13,7 @@ from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 import s3r_hf
 from s3r_hf import S3RConfig
 from s3r_hf.draft_phase import DraftPhase
-from s3r_hf.engine import S3REngine
+from s3r_hf.engine.model_runner import ModelRunner
 from tests.conftest import left_padded_batch, tiny_model
 
 
@@ -31,7 +31,7 @@ def _counting(monkeypatch, owner, name: str) -> list:
 
 def test_draft_phase_matches_per_pass_drafting(monkeypatch):
     phase_calls = _counting(monkeypatch, DraftPhase, "__call__")
-    pass_calls = _counting(monkeypatch, S3REngine, "draft_pass")
+    pass_calls = _counting(monkeypatch, ModelRunner, "draft_pass")
     model = s3r_hf.enable(tiny_model("qwen3", seed=5))
     input_ids, attention_mask = left_padded_batch([13, 40, 7, 28], seed=6)
     # max_new_tokens not a multiple of the block: the last rounds draft fewer tokens for some requests.

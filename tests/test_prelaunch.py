@@ -9,7 +9,8 @@ import torch
 
 import s3r_hf
 from s3r_hf import S3RConfig
-from s3r_hf.engine import S3REngine
+from s3r_hf.engine.early_launch import EarlyLaunches
+from s3r_hf.engine.model_runner import ModelRunner
 from tests.conftest import left_padded_batch, tiny_model
 
 DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
@@ -20,34 +21,34 @@ def prelaunch_uses(monkeypatch):
     """Early draft phases launched, and rounds that used one: for all their requests, or for some (the survivors of
     a round in which some finished, next to newcomers that draft nothing in their first round)."""
     uses = {"launched": 0, "whole": 0, "survivors": 0, "newcomers": 0}
-    take, prelaunch = S3REngine._take_prelaunched, S3REngine._prelaunch
+    take, launch = EarlyLaunches.take_drafts, EarlyLaunches.launch_drafts
 
-    def counting_launches(engine, *args):
-        before = engine._prelaunched
-        prelaunch(engine, *args)
-        uses["launched"] += engine._prelaunched is not before
+    def counting_launches(early, *args):
+        before = early.drafts
+        launch(early, *args)
+        uses["launched"] += early.drafts is not before
 
-    def counting(engine, requests, draft_counts):
-        launched = engine._prelaunched
-        result = take(engine, requests, draft_counts)
+    def counting(early, requests, draft_counts):
+        launched = early.drafts
+        result = take(early, requests, draft_counts)
         if result is not None:
             uses["whole" if len(requests) == len(launched.requests) else "survivors"] += 1
             uses["newcomers"] += sum(id(r) not in {id(old) for old in launched.requests} for r in requests)
         return result
 
-    monkeypatch.setattr(S3REngine, "_take_prelaunched", counting)
-    monkeypatch.setattr(S3REngine, "_prelaunch", counting_launches)
+    monkeypatch.setattr(EarlyLaunches, "take_drafts", counting)
+    monkeypatch.setattr(EarlyLaunches, "launch_drafts", counting_launches)
     return uses
 
 
 @pytest.fixture
 def call_order(monkeypatch):
     """`(events, record)`: every read of a decision copy appends "read" to `events`; `record(name, label)` makes
-    `S3REngine.<name>` append `label` each time it is called."""
-    from s3r_hf import engine as engine_module
+    `ModelRunner.<name>` append `label` each time it is called."""
+    from s3r_hf.engine import round as round_module
 
     events = []
-    copy = engine_module.start_host_copy
+    copy = round_module.start_host_copy
 
     def recording_copy(tensor):
         wait = copy(tensor)
@@ -59,15 +60,15 @@ def call_order(monkeypatch):
         return read
 
     def record(name: str, label: str) -> None:
-        method = getattr(S3REngine, name)
+        method = getattr(ModelRunner, name)
 
-        def recording(engine, *args, **kwargs):
+        def recording(runner, *args, **kwargs):
             events.append(label)
-            return method(engine, *args, **kwargs)
+            return method(runner, *args, **kwargs)
 
-        monkeypatch.setattr(S3REngine, name, recording)
+        monkeypatch.setattr(ModelRunner, name, recording)
 
-    monkeypatch.setattr(engine_module, "start_host_copy", recording_copy)
+    monkeypatch.setattr(round_module, "start_host_copy", recording_copy)
     return events, record
 
 
@@ -80,6 +81,7 @@ def _generate_early_and_apart(model, input_ids, attention_mask, uses, **kwargs):
                   s3r_config=config) | kwargs
     early = model.generate(input_ids, **kwargs)
     launched = uses["launched"]
+    s3r_hf.release(model)  # the next call with the seed draws the same stream again
     apart = model.generate(input_ids, s3r_timing="stages", **kwargs)
     assert uses["launched"] == launched, "stage timing must not launch early"
     return early, apart
@@ -141,7 +143,7 @@ def test_next_draft_phase_is_queued_before_the_host_reads_the_decision(call_orde
     device, so it is queued while the decision is still in flight, and the device never waits for the host's
     commit. Checked by the order of calls: the phase's launch comes before the read it would otherwise wait for."""
     events, record = call_order
-    record("_run_draft_phase", "phase")
+    record("run_draft_phase", "phase")
     model = s3r_hf.enable(tiny_model("llama", seed=47).to(DEVICE))
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([11, 17], seed=48))
     config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4,
@@ -165,7 +167,7 @@ def test_engine_ar_launches_the_next_step_before_reading_this_one(call_order):
     (newcomers, for whom the step runs again), greedy output still equals `model.generate`; seeded sampling
     draws the same random numbers as with every stage apart."""
     events, record = call_order
-    record("_verify", "forward")
+    record("verify", "forward")
     model = s3r_hf.enable(tiny_model("llama", seed=41).to(DEVICE))
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([7, 19, 30, 12, 25, 16], seed=42))
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=40, eos_token_id=[7, 11], pad_token_id=0,
@@ -184,7 +186,9 @@ def test_engine_ar_launches_the_next_step_before_reading_this_one(call_order):
                        cuda_graphs=DEVICE.type == "cuda")
     assert torch.equal(model.generate(input_ids, do_sample=False, s3r_config=queued, **kwargs), dense)
     # Seeded sampling: the same samples with the next step launched early and with every stage apart.
+    s3r_hf.release(model)  # each call with the seed draws the same stream
     early = model.generate(input_ids, do_sample=True, s3r_config=config, **kwargs)
+    s3r_hf.release(model)
     apart = model.generate(input_ids, do_sample=True, s3r_config=config, s3r_timing="stages", **kwargs)
     assert torch.equal(early, apart)
 

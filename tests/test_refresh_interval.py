@@ -40,7 +40,7 @@ def test_greedy_with_views_refreshed_every_few_rounds_matches_dense(interval, vi
                          s3r_config=config, return_dict_in_generate=True)
     assert torch.equal(out.sequences, dense)
     rounds = out.s3r_stats.steps
-    # Prefill builds each prompt's views once (`refresh_views` -> `_rebuild_views`); rounds refresh every
+    # Prefill builds each prompt's views once (`IndexViewUpdates.refresh` -> `rebuild`); rounds refresh every
     # `interval`-th time and extend otherwise.
     assert view_checks["extend"] == rounds - rounds // interval
     assert view_checks["refresh"] >= rounds // interval

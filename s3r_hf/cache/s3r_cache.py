@@ -171,6 +171,28 @@ class S3RCache(Cache):
     def pages_for(self, length: int) -> int:
         return -(-length // self.page_size)
 
+    def pages_held(self, slot: int) -> int:
+        """Pages reserved for `slot` (its valid length and any reserved past it)."""
+        return len(self.page_lists[slot])
+
+    @property
+    def free_pages(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def used_pages(self) -> int:
+        return self.allocator.num_used
+
+    def reserve_if_fits(self, slots: list[int], lengths: list[int]) -> bool:
+        """Reserve pages for each slot's K/V up to its `lengths` entry if the free pages cover all of them at once;
+        returns whether it did (reserving nothing otherwise)."""
+        needed = sum(max(0, self.pages_for(length) - self.pages_held(slot)) for slot, length in zip(slots, lengths))
+        if needed > self.free_pages:
+            return False
+        for slot, length in zip(slots, lengths):
+            self.reserve(slot, length)
+        return True
+
     def add_request(self) -> int:
         """Open an empty slot and return its id."""
         if not self._free_slots:

@@ -1,0 +1,305 @@
+"""`ModelRunner`: builds the `StepPlan` of each kind of forward (prefill chunks, draft passes, verify blocks) and runs
+it, eagerly or as a CUDA-graph replay."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from s3r_hf.cache.s3r_cache import S3RCache
+from s3r_hf.config import S3RConfig
+from s3r_hf.cuda_graphs import DecodeGraphs
+from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase
+from s3r_hf.engine.sampling_setup import SamplingSetup
+from s3r_hf.kernels import get_backend
+from s3r_hf.model_forward import ModelForward
+from s3r_hf.request import Request
+from s3r_hf.sampler import draw_noise, sample_from_scores
+from s3r_hf.staging import to_device
+from s3r_hf.stats import S3RStats
+from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
+
+
+class Verified(NamedTuple):
+    """A verify forward's plan, logits `[N, V]`, block starts (`N` offsets per request, then the end) and
+    processed target scores `[R, k + 1, V]`."""
+
+    plan: StepPlan
+    logits: torch.Tensor
+    block_starts: list[int]
+    target_scores: torch.Tensor
+
+
+class ModelRunner:
+    """The engine's forwards. `graphs` is set by the engine when `S3RConfig.cuda_graphs` is on (on CUDA)."""
+
+    def __init__(
+        self,
+        model_forward: ModelForward,
+        cache: S3RCache,
+        config: S3RConfig,
+        sampling: SamplingSetup,
+        stats: S3RStats,
+        draft_phase: DraftPhase | None,
+        scores_verify: bool,
+        vocab_size: int,
+    ) -> None:
+        # Held by the draft phase and the graphs too; it does not point back at the engine (see model_forward.py).
+        self.model_forward = model_forward
+        self.cache = cache
+        self.config = config
+        self.sampling = sampling
+        self.stats = stats
+        self.draft_phase = draft_phase
+        self.scores_verify = scores_verify  # engine AR never refreshes views, so its verify records no scores
+        self.vocab_size = vocab_size
+        self.device = cache.device
+        self.num_layers = cache.num_layers
+        self.graphs: DecodeGraphs | None = None
+
+    # ---------------------------------------------------------------- forward
+    def forward(
+        self, input_ids: torch.Tensor, plan: StepPlan, keep: torch.Tensor | None = None, bucket_floor: int = 0
+    ) -> torch.Tensor:
+        """One packed forward of `input_ids` `[N]`; float logits of the kept rows (all rows when `keep` is None).
+
+        Decode steps replay a CUDA graph when `S3RConfig.cuda_graphs` is on (`bucket_floor`: see `DecodeGraphs`).
+        """
+        input_ids = input_ids.to(self.device)
+        if self.graphs is not None and keep is None and self.graphs.supports(plan, input_ids.shape[0]):
+            return self.graphs.run(input_ids, plan, bucket_floor=bucket_floor)
+        return self.model_forward(input_ids[None], plan, keep).float()
+
+    def capture_seconds(self) -> float:
+        return self.graphs.capture_seconds if self.graphs is not None else 0.0
+
+    def candidates(self, plan: StepPlan) -> torch.Tensor:
+        """The plan's top-K history positions, selected on first use from the scores its forward recorded."""
+        if plan.candidates is None:
+            plan.candidates = self._select_candidates(plan)
+        return plan.candidates
+
+    def _select_candidates(self, plan: StepPlan) -> torch.Tensor:
+        """Top-K history positions of every layer, `[num_layers, Sd, Hkv, K]`, from one batched selection."""
+        scores = torch.stack([plan.scores[layer] for layer in range(self.num_layers)])  # [L, Sd, Hkv, ctx]
+        plan.scores = {}
+        layers, segments = scores.shape[:2]
+        history = plan.dense.history_lens.repeat(layers)
+        candidates = get_backend(scores.device).select_topk_candidates(
+            scores.flatten(0, 1), history, plan.dense.num_candidates
+        )
+        return candidates.view(layers, segments, *candidates.shape[1:])
+
+    def tensor(self, values: list[int]) -> torch.Tensor:
+        return to_device(values, self.device)
+
+    def int32(self, values: list[int]) -> torch.Tensor:
+        """Kernel metadata in the kernels' own index type, so no per-layer conversion is launched."""
+        return to_device(values, self.device, torch.int32)
+
+    # ---------------------------------------------------------------- prefill
+    def prefill_forward(self, requests: list[Request]):
+        """One packed forward over the next prompt chunks of `requests`.
+
+        Returns the plan, the segment index and request of every prompt finished by this step, and the logits
+        of those prompts' last tokens.
+        """
+        budget = self.config.prefill_chunk_size
+        block = self.config.draft_len + 1
+        pieces, write, positions, cu, scored, history, chunks = [], [], [], [0], [], [], []
+        for request in requests:
+            if budget == 0:
+                break
+            start = request.prefilled
+            end = min(request.prompt_len, start + budget)
+            budget -= end - start
+            self.cache.reserve(request.slot, end)
+            pieces.append(request.prompt_ids[start:end])
+            write += self.cache.flat_indices(request.slot, range(start, end))
+            positions += list(range(start, end))
+            cu.append(cu[-1] + end - start)
+            final = end == request.prompt_len
+            # The final chunk's last `draft_len + 1` queries score the prompt for the first index view.
+            first_scored = max(0, (end - start) - block) if final else -1
+            scored.append(first_scored)
+            history.append(start + first_scored if final else 0)
+            chunks.append((request, start, end, final))
+        tokens = torch.cat(pieces)
+        num_candidates = max(self.config.budget(r.prompt_len) for r, *_ in chunks)
+        dense = DenseSegments(
+            query_index=None,
+            cu_seqlens=self.int32(cu),
+            positions=self.int32(positions),
+            block_tables=self.cache.block_tables([r.slot for r, *_ in chunks]),
+            score_starts=self.int32(scored),
+            history_lens=self.tensor(history),
+            num_candidates=num_candidates,
+            max_query_len=max(end - start for _, start, end, _ in chunks),
+            max_context=max(end for _, _, end, _ in chunks),
+            max_scored_queries=max((end - start - first for (_, start, end, _), first in zip(chunks, scored)
+                                    if first >= 0), default=0),
+        )
+        plan = StepPlan(write_index=self.tensor(write), position_ids=dense.positions.long()[None], dense=dense)
+        finals = [i for i, (_, _, _, final) in enumerate(chunks) if final]
+        keep = self.tensor([cu[i + 1] - 1 for i in finals])
+        logits = self.forward(tokens, plan, keep=keep)
+        for request, _, end, _ in chunks:
+            request.prefilled = end
+            self.cache.set_length(request.slot, end)
+        self.stats.prefill_tokens += len(tokens)
+        return plan, finals, [chunks[i][0] for i in finals], logits
+
+    # ---------------------------------------------------------------- drafts
+    def draft(
+        self, requests: list[Request], draft_counts: list[int], tables: torch.Tensor, round_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft tokens `[R, k]` and their scores `[R, k, V]` of a round of draft length `round_k`: the on-device
+        draft phase, or one host-driven pass per position when a logits processor reads the token history."""
+        max_drafts = max(draft_counts, default=0)
+        if max_drafts > 0 and self.draft_phase is not None:
+            pending, committed, counts = self.tensor(
+                [[r.pending for r in requests], [r.committed for r in requests], draft_counts]
+            ).unbind(0)
+            view_width = max(r.view_len for r in requests)
+            drafts = self.run_draft_phase(requests, pending, committed, counts, tables, view_width, max_drafts, round_k)
+            return drafts.tokens, drafts.scores
+        draft_tokens = torch.zeros(len(requests), max(max_drafts, 1), dtype=torch.long, device=self.device)
+        draft_scores = torch.zeros(len(requests), max(max_drafts, 1), self.vocab_size, device=self.device)
+        for step in range(max_drafts):
+            rows = [i for i, k in enumerate(draft_counts) if k > step]
+            self.draft_pass(step, [requests[i] for i in rows], rows, draft_tokens, draft_scores,
+                            tables if len(rows) == len(requests) else tables[self.tensor(rows)], len(requests))
+        return draft_tokens, draft_scores
+
+    def run_draft_phase(
+        self,
+        requests: list[Request],
+        pending: torch.Tensor,
+        committed: torch.Tensor,
+        counts: torch.Tensor,
+        tables: torch.Tensor,
+        view_width: int,
+        passes: int,
+        round_k: int,
+    ) -> DraftOutputs:
+        """Every draft pass of the round on the device, from device tensors of its pending tokens, committed
+        lengths and draft counts: one graph replay (the round's draft length `round_k` passes, so the last rounds
+        of a request replay the graph of the others), or the same program run eagerly (`passes` passes over index
+        views at most `view_width` long)."""
+        slots = self.tensor([r.slot for r in requests])
+        inputs = DraftInputs(pending, committed, counts, slots, tables, noise=None)
+        if self.graphs is not None and self.graphs.supports_draft_phase(len(requests)):
+            return self.graphs.run_draft_phase(self.draft_phase, inputs, self.sampling.generator, passes=round_k)
+        noise = self.draft_phase.noise_buffer(len(requests), self.device)
+        inputs.noise = None if noise is None else draw_noise(noise, self.sampling.generator)
+        return self.draft_phase(inputs, view_width, passes=passes)
+
+    def draft_pass(
+        self,
+        step: int,
+        requests: list[Request],
+        rows: list[int],
+        draft_tokens: torch.Tensor,
+        draft_scores: torch.Tensor,
+        block_tables: torch.Tensor | None = None,
+        round_size: int = 0,
+    ) -> None:
+        """Draft token `step + 1` for each request with sparse attention over its index view.
+
+        `block_tables` (rows of `requests`) may come from the round; `round_size` keeps late passes, which have
+        fewer requests, in the round's CUDA-graph bucket instead of capturing smaller ones.
+        """
+        write, positions = [], []
+        for request in requests:
+            position = request.committed + step
+            write += self.cache.flat_indices(request.slot, [position])
+            positions.append(position)
+        index = self.tensor(rows)
+        if block_tables is None:
+            block_tables = self.cache.block_tables([r.slot for r in requests])
+        # Input tokens stay on the device: the pending token, then the previous pass's drafts.
+        tokens = self.tensor([r.pending for r in requests]) if step == 0 else draft_tokens[index, step - 1]
+        sparse = SparseQueries(
+            query_index=None,
+            slots=self.tensor([r.slot for r in requests]),
+            block_tables=block_tables,
+            tail_starts=self.int32([r.committed for r in requests]),
+            positions=self.int32(positions),
+            view_width=max(r.view_len for r in requests),
+            max_keys=max(r.view_len for r in requests) + step + 1,
+        )
+        plan = StepPlan(write_index=self.tensor(write), position_ids=sparse.positions.long()[None], sparse=sparse)
+        logits = self.forward(tokens, plan, bucket_floor=round_size)
+        history_free = self.sampling.logits_processor.history_free
+        histories = [] if history_free else [r.tokens[: r.length + step] for r in requests]
+        scores = self.sampling.logits_processor([r.row for r in requests], histories, logits)
+        drafts = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator)
+        draft_tokens[index, step] = drafts
+        draft_scores[index, step] = scores
+        if not history_free:
+            # Provisional: logits processors of later positions must see the drafted prefix.
+            for request, token in zip(requests, drafts.tolist()):
+                request.tokens[request.length + step] = token
+
+    # ---------------------------------------------------------------- verify
+    def verify(
+        self,
+        requests: list[Request],
+        draft_counts: list[int],
+        draft_tokens: torch.Tensor,
+        tables: torch.Tensor,
+        round_k: int,
+        committed: list[int] | None = None,
+        pending: torch.Tensor | None = None,
+        scored: bool = True,
+    ) -> Verified:
+        """Dense forward over `[pending, d_1..d_k]` of every request; overwrites the drafts' provisional K/V.
+
+        `committed` lengths and `pending` tokens (a device tensor) default to the requests' own. With `scored`
+        (and outside engine AR) each layer also leaves the attention scores an index-view refresh selects from.
+        """
+        scored = scored and self.scores_verify
+        committed = committed if committed is not None else [r.committed for r in requests]
+        pending = pending if pending is not None else self.tensor([r.pending for r in requests])
+        write, positions, cu, history, block_rows, block_offsets = [], [], [0], [], [], []
+        for row, (request, context, count) in enumerate(zip(requests, committed, draft_counts)):
+            write += self.cache.flat_indices(request.slot, range(context, context + count + 1))
+            positions += list(range(context, context + count + 1))
+            cu.append(cu[-1] + count + 1)
+            history.append(context)
+            block_rows += [row] * (count + 1)
+            block_offsets += list(range(count + 1))
+        # `[pending, d_1..d_k]` of every request, gathered on the device.
+        blocks = torch.cat([pending[:, None], draft_tokens], dim=1)
+        tokens = blocks[self.tensor(block_rows), self.tensor(block_offsets)]
+        num_candidates = max(self.config.budget(c + k + 1) for c, k in zip(committed, draft_counts)) if scored else 0
+        dense = DenseSegments(
+            query_index=None,
+            cu_seqlens=self.int32(cu),
+            positions=self.int32(positions),
+            block_tables=tables,
+            score_starts=self.int32([0] * len(requests)) if scored else None,
+            history_lens=self.tensor(history),
+            num_candidates=num_candidates,
+            # The round's length, not its longest block: rounds whose requests all draft fewer (`max_new_tokens` is
+            # near) replay the round's CUDA graph instead of capturing one per shorter width.
+            max_query_len=max(max(draft_counts), round_k) + 1,
+            max_context=max(c + k + 1 for c, k in zip(committed, draft_counts)),
+            max_scored_queries=max(draft_counts) + 1 if scored else 0,
+        )
+        plan = StepPlan(write_index=self.tensor(write), position_ids=dense.positions.long()[None], dense=dense)
+        logits = self.forward(tokens, plan)
+        rows, histories = [], []
+        if not self.sampling.logits_processor.history_free:
+            histories = [
+                r.tokens[: r.length + offset] for r, count in zip(requests, draft_counts) for offset in range(count + 1)
+            ]
+            rows = [r.row for r, count in zip(requests, draft_counts) for _ in range(count + 1)]
+        flat_scores = self.sampling.logits_processor(rows, histories, logits)
+        width = max(draft_counts) + 1
+        if len(block_rows) == width * len(requests):  # every block is full: the rows are already in place
+            return Verified(plan, logits, cu, flat_scores.reshape(len(requests), width, -1))
+        target_scores = torch.zeros(len(requests), width, flat_scores.shape[-1], device=self.device)
+        target_scores[self.tensor(block_rows), self.tensor(block_offsets)] = flat_scores
+        return Verified(plan, logits, cu, target_scores)

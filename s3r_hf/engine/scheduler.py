@@ -1,0 +1,136 @@
+"""`Scheduler`: which requests run the next step. Waiting, running and paused queues; admission under the AIMD
+concurrency limit and the free KV pages; pausing (offloading) requests under KV pressure and restoring them."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transformers.utils import logging
+
+from s3r_hf.cache.page_allocator import KVCapacityError
+from s3r_hf.cache.s3r_cache import S3RCache
+from s3r_hf.config import S3RConfig
+from s3r_hf.engine.concurrency import AIMDConcurrency
+from s3r_hf.request import Request, RequestStatus
+from s3r_hf.stats import S3RStats
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class ScheduledStep:
+    """The next step: `"prefill"` (the next prompt chunks of `requests`) or `"decode"` (a round of every running
+    request; `requests` is the scheduler's running list)."""
+
+    kind: str
+    requests: list[Request]
+
+
+class Scheduler:
+    """Owns the request queues. Restored requests go before new ones; a step either prefills (any running request
+    with prompt left) or decodes (every running request), never both."""
+
+    def __init__(self, cache: S3RCache, config: S3RConfig, stats: S3RStats) -> None:
+        self.cache = cache
+        self.config = config
+        self.stats = stats
+        self.concurrency = AIMDConcurrency(config)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.paused: deque[Request] = deque()
+
+    def add(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.check_fits_alone(request)
+        self.waiting.extend(requests)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.paused)
+
+    def schedule(self) -> ScheduledStep:
+        """Restore and admit what fits, then say what the next step runs."""
+        self._restore_and_admit()
+        prefilling = [r for r in self.running if r.prefilled < r.prompt_len]
+        if prefilling:
+            return ScheduledStep("prefill", prefilling)
+        return ScheduledStep("decode", self.running)
+
+    def finish_step(self) -> None:
+        """Release the slots of requests that finished, and let the concurrency limit react to the step."""
+        for request in [r for r in self.running if r.status is RequestStatus.FINISHED]:
+            self.running.remove(request)
+            self.cache.release(request.slot)
+            request.slot = None
+        self.concurrency.update(self.cache.utilization, len(self.paused))
+
+    # ---------------------------------------------------------------- KV capacity
+    def pages_needed(self, request: Request) -> int:
+        """Pages for the request's context plus one full round."""
+        return self.cache.pages_for(request.kv_tokens + self.config.draft_len + 1)
+
+    def pages_needed_for_prompt(self, request: Request) -> int:
+        return self.cache.pages_for(request.prompt_len + self.config.draft_len + 1)
+
+    def check_fits_alone(self, request: Request) -> None:
+        longest = request.peak_kv_tokens(self.config.draft_len)
+        if self.cache.pages_for(longest) > self.cache.num_pages:
+            raise KVCapacityError(
+                f"KV capacity too small for one request: a prompt of {request.prompt_len} tokens with "
+                f"max_new_tokens={request.max_new_tokens} needs {self.cache.pages_for(longest)} pages of "
+                f"{self.cache.page_size} tokens, the cache has {self.cache.num_pages}"
+            )
+
+    def _restore_and_admit(self) -> None:
+        """Restore paused requests first, then admit new ones, under the concurrency limit and KV capacity.
+
+        Pages a running request will still take for its prompt (prefill reserves chunk by chunk) count as taken.
+        """
+        running, paused, waiting = self.running, self.paused, self.waiting
+        promised = sum(
+            max(0, self.pages_needed_for_prompt(r) - self.cache.pages_held(r.slot))
+            for r in running if r.prefilled < r.prompt_len
+        )
+        while paused and len(running) < self.concurrency.limit:
+            request = paused[0]
+            if self.cache.free_pages - promised < self.pages_needed(request):
+                break
+            paused.popleft()
+            self.cache.restore(request.slot, request.offloaded)
+            request.offloaded = None
+            request.status = RequestStatus.RUNNING
+            running.append(request)
+        if paused:
+            return
+        available = self.cache.free_pages - promised
+        while waiting and len(running) < self.concurrency.limit:
+            request = waiting[0]
+            needed = self.pages_needed_for_prompt(request)
+            if running and available < needed:
+                break
+            available -= needed
+            waiting.popleft()
+            request.slot = self.cache.add_request()
+            request.status = RequestStatus.RUNNING
+            running.append(request)
+
+    def make_room_for_round(self, draft_count: Callable[[Request], int]) -> None:
+        """Reserve every running request's block (`draft_count(request)` drafts plus one token); pause (offload) the
+        smallest requests until it fits."""
+        running = self.running
+        while True:
+            ends = [r.committed + draft_count(r) + 1 for r in running]  # K/V length at the round's end
+            if self.cache.reserve_if_fits([r.slot for r in running], ends):
+                break
+            if len(running) == 1:
+                raise KVCapacityError("KV capacity too small for one request's next round")
+            victim = min(running, key=lambda r: r.kv_tokens)
+            running.remove(victim)
+            self.stats.pages_offloaded += self.cache.pages_held(victim.slot)
+            self.stats.offload_episodes += 1
+            victim.offloaded = self.cache.offload(victim.slot)
+            victim.status = RequestStatus.PAUSED
+            self.paused.append(victim)
+            logger.info("paused request %d (%d KV tokens) under KV pressure", victim.row, victim.kv_tokens)
+        self.stats.peak_kv_pages = max(self.stats.peak_kv_pages, self.cache.used_pages)
