@@ -13,6 +13,15 @@ time, the generation time, completion tokens per step, tokens/s and the reward o
     python tools/bench_grpo.py --max-steps 5 --per-device-batch 32 --num-generations 8 \\
         --max-completion-length 1024 --json grpo_bench.json --plot grpo_reward.png
 
+Training curves (do S3R rollouts train as dense ones do?): `--dataset arithmetic` trains on short arithmetic
+problems generated on the fly (`trl_integration/examples/arithmetic.py`, graded by math-verify), which SmolLM2-135M
+learns within a few hundred steps; `--seeds 1,2` runs every mode once per seed, so the spread between a mode's
+seeds shows run-to-run noise; `--devices 0,1,2,3` runs that many at once, each child on its own GPU. `--plot`
+draws reward and mean completion length per step side by side, one line per mode and seed:
+
+    python tools/bench_grpo.py --dataset arithmetic --modes s3r,trl --seeds 1,2 --max-steps 200 \\
+        --max-completion-length 64 --learning-rate 1e-5 --json curves.json --plot curves.png
+
 `--preset long` asks for long responses (max completion 4,096 tokens, where a rollout's tail of a few long responses
 weighs most); `--max-completion-length` overrides a preset.
 
@@ -32,18 +41,22 @@ import argparse
 import json
 import math
 import os
+import queue
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATASET = REPO_ROOT / "s3r_hf" / "data" / "rollout_prompts.json"
 """The 32 MATH-style problems (with answers) shipped in the package; pass `--dataset` for a real training set."""
+ARITHMETIC = "arithmetic"
+"""`--dataset` value for the generated arithmetic problems (`--arithmetic-size`, `--arithmetic-seed`)."""
 MODES = ("s3r", "engine-ar", "trl", "trl-paged")
 PRESETS = {"default": 1024, "long": 4096}
 """`--preset` name -> max completion length (tokens)."""
@@ -87,8 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a local .gguf file to load (same as --model PATH; the pinned SmolLM2 GGUF fills the "
                         "default model's cache, so no network is needed)")
     parser.add_argument("--dataset", default=str(DEFAULT_DATASET),
-                        help="MATH .json, GSM8K .jsonl or a Hub id (default: the packaged problems)")
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N problems")
+                        help=f"MATH .json, GSM8K .jsonl, a Hub id, or {ARITHMETIC!r}: short sums, differences and "
+                        "products generated on the fly (default: the packaged problems)")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N problems (file or Hub id)")
+    parser.add_argument("--arithmetic-size", type=int, default=4096, help=f"problems of --dataset {ARITHMETIC}")
+    parser.add_argument("--arithmetic-seed", type=int, default=0,
+                        help=f"seed of the --dataset {ARITHMETIC} problems (kept apart from --seed, so every run "
+                        "trains on the same problems)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--max-steps", type=int, default=6)
     parser.add_argument("--num-generations", type=int, default=8)
@@ -100,6 +118,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokens per completion (default: the --preset's, else 1024)")
     parser.add_argument("--learning-rate", type=float, default=1e-6)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--seeds", default=None,
+                        help="comma-separated training seeds: every mode runs once per seed (default: --seed)")
+    parser.add_argument("--devices", default=None,
+                        help="comma-separated CUDA device indices: run that many (mode, seed) runs at once, each "
+                        "child process on one of these GPUs (CUDA_VISIBLE_DEVICES); default one run at a time")
     parser.add_argument("--s3r-config", default=None, help="S3RConfig fields as JSON, e.g. '{\"cuda_graphs\": true}'")
     parser.add_argument("--cb-config", default=None,
                         help="transformers ContinuousBatchingConfig fields as JSON for trl-paged "
@@ -118,7 +141,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "killed and the steps it finished are kept")
     parser.add_argument("--in-process", action="store_true", help="run all modes in this process")
     parser.add_argument("--json", default=None, help="write all results here (rewritten after every mode)")
-    parser.add_argument("--plot", default=None, help="write a PNG of reward per step for each mode (matplotlib)")
+    parser.add_argument("--plot", default=None,
+                        help="write a PNG of reward and mean completion length per step, side by side, one line per "
+                        "mode and seed (matplotlib, the [bench] extra)")
     parser.add_argument("--from-json", nargs="+", default=None,
                         help="render the table/plot of saved --json files (their results merged); run nothing")
     parser.add_argument("--output-dir", default=None, help="trainer output dir (default: a temporary directory)")
@@ -129,6 +154,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not modes:
         parser.error(f"--modes must be a comma-separated subset of {','.join(MODES)}; got {args.modes!r}")
     args.mode_list = modes
+    try:
+        args.seed_list = _int_list(args.seeds) if args.seeds is not None else [args.seed]
+    except ValueError:
+        parser.error(f"--seeds must be comma-separated integers; got {args.seeds!r}")
+    if not args.seed_list or len(set(args.seed_list)) != len(args.seed_list):
+        parser.error(f"--seeds must list distinct seeds; got {args.seeds!r}")
+    try:
+        args.device_list = [str(index) for index in _int_list(args.devices)] if args.devices else []
+    except ValueError:
+        parser.error(f"--devices must be comma-separated CUDA device indices; got {args.devices!r}")
+    if args.device_list and args.in_process:
+        parser.error("--devices runs child processes; it cannot be combined with --in-process")
+    if args.dataset == ARITHMETIC and args.limit is not None:
+        parser.error(f"--limit applies to problem files and Hub ids; size --dataset {ARITHMETIC} with "
+                     "--arithmetic-size")
     if args.gguf is not None:
         if args.model is not None and args.model != args.gguf:
             parser.error("give the GGUF file with --gguf or --model, not both")
@@ -138,6 +178,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_completion_length is None:
         args.max_completion_length = PRESETS[args.preset or "default"]
     return args
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(item) for item in text.split(",") if item.strip()]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -242,13 +286,31 @@ def step_record(step: int, logs: dict[str, Any]) -> dict[str, Any]:
     return {"step": step, **{short: logs[key] for key, short in STEP_KEYS.items() if key in logs}}
 
 
-def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
-    """Train `args.max_steps` GRPO steps with rollout `mode`; the summary and per-step records, or the error.
+def _put_repo_on_path() -> None:
+    """Makes `s3r_hf` and `trl_integration` importable from a checkout that is not installed."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+
+
+def load_training_dataset(args: argparse.Namespace):
+    """The prompts and answers `--dataset` names: generated arithmetic problems, or a problem file or Hub id."""
+    if args.dataset == ARITHMETIC:
+        from trl_integration.examples.arithmetic import load_arithmetic_dataset
+
+        return load_arithmetic_dataset(args.arithmetic_size, args.arithmetic_seed)
+    from trl_integration.examples.grpo_math import load_math_dataset
+
+    return load_math_dataset(args.dataset, args.limit)
+
+
+def run_mode(args: argparse.Namespace, mode: str, seed: int) -> dict[str, Any]:
+    """Train `args.max_steps` GRPO steps with rollout `mode` and training `seed`; the summary and per-step
+    records, or the error.
 
     With `--child-out`, the result so far (status "running") is also written there after every step, so a
     parent that has to kill this process on its timeout still gets the finished steps.
     """
-    result: dict[str, Any] = {"mode": mode, "status": "ok", "steps": []}
+    result: dict[str, Any] = {"mode": mode, "seed": seed, "status": "ok", "steps": []}
 
     def record(row: dict[str, Any]) -> None:
         result["steps"].append(row)
@@ -256,8 +318,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             _write_json(args.child_out, {**result, "status": "running", "summary": summarise(result["steps"])})
 
     try:
-        if str(REPO_ROOT) not in sys.path:
-            sys.path.insert(0, str(REPO_ROOT))
+        _put_repo_on_path()
         import torch
         import transformers
         import trl
@@ -265,7 +326,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
         from s3r_hf.models import DEFAULT_MODEL, load_model_and_tokenizer
         from trl_integration import S3RGRPOConfig
-        from trl_integration.examples.grpo_math import accuracy_reward, load_math_dataset
+        from trl_integration.examples.grpo_math import accuracy_reward
 
         check_site_packages()
         result["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -289,15 +350,16 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                 max_steps=args.max_steps, num_generations=args.num_generations,
                 per_device_train_batch_size=args.per_device_batch, max_completion_length=args.max_completion_length,
                 learning_rate=args.learning_rate, bf16=args.bf16, logging_steps=1, save_strategy="no",
-                report_to="none", use_cpu=not on_cuda, temperature=1.0, seed=args.seed, disable_tqdm=True, **extra,
+                report_to="none", use_cpu=not on_cuda, temperature=1.0, seed=seed, disable_tqdm=True, **extra,
             )
             trainer = TimedGRPOTrainer(
                 model=model, reward_funcs=accuracy_reward, args=config,
-                train_dataset=load_math_dataset(args.dataset, args.limit), processing_class=tokenizer,
+                train_dataset=load_training_dataset(args), processing_class=tokenizer,
             )
             for noisy in (PrinterCallback, ProgressCallback):
                 trainer.remove_callback(noisy)
-            trainer.add_callback(StepCallback(mode, args.max_seconds_per_mode, args.min_steps, record))
+            trainer.add_callback(StepCallback(run_name(mode, seed, args), args.max_seconds_per_mode, args.min_steps,
+                                              record))
             if on_cuda:
                 torch.cuda.reset_peak_memory_stats()
             _synchronize()
@@ -314,29 +376,39 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         result["error"] = f"{type(error).__name__}: {error}"
         trace = traceback.format_exc()
         result["traceback"] = trace if len(trace) <= 6000 else f"{trace[:3000]}\n...\n{trace[-3000:]}"
-        print(f"[{mode}] FAILED: {result['error']}", file=sys.stderr, flush=True)
+        print(f"[{run_name(mode, seed, args)}] FAILED: {result['error']}", file=sys.stderr, flush=True)
         print(result["traceback"], file=sys.stderr, flush=True)
     if result.get("steps"):
         result["summary"] = summarise(result["steps"])
     return result
 
 
-def run_child(args: argparse.Namespace, argv: list[str], mode: str) -> dict[str, Any]:
-    """`run_mode` in a fresh Python process (same arguments, one mode); its result comes back through a file."""
+def run_name(mode: str, seed: int, args: argparse.Namespace) -> str:
+    """How logs name a run: its mode, and its seed when several seeds run."""
+    return f"{mode} seed {seed}" if len(args.seed_list) > 1 else mode
+
+
+def run_child(args: argparse.Namespace, argv: list[str], mode: str, seed: int,
+              device: str | None = None) -> dict[str, Any]:
+    """`run_mode` in a fresh Python process (same arguments, one mode and seed, on CUDA `device` when given); its
+    result comes back through a file."""
     with tempfile.TemporaryDirectory(prefix="bench-grpo-child-") as scratch:
         out = Path(scratch) / "result.json"
-        command = [sys.executable, str(Path(__file__).resolve()), *argv, "--modes", mode, "--child-out", str(out)]
+        command = [sys.executable, str(Path(__file__).resolve()), *argv, "--modes", mode, "--seed", str(seed),
+                   "--child-out", str(out)]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        if device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = device
         try:
             code = subprocess.run(command, env=env, timeout=args.mode_timeout).returncode
             problem = f"child process exited with code {code}"
         except subprocess.TimeoutExpired:  # `run` has killed the child; keep the steps it finished
             problem = f"killed after --mode-timeout {args.mode_timeout:.0f}s"
-            print(f"[{mode}] {problem}", flush=True)
+            print(f"[{run_name(mode, seed, args)}] {problem}", flush=True)
         result = json.loads(out.read_text()) if out.is_file() else None
     if result is None:
-        return {"mode": mode, "status": "failed", "error": f"{problem} and wrote no result"}
+        return {"mode": mode, "seed": seed, "status": "failed", "error": f"{problem} and wrote no result"}
     if result["status"] == "running":
         result["status"] = f"partial: {problem}"
         result["error"] = problem
@@ -353,8 +425,10 @@ def _mean(values: list[float]) -> float:
 
 
 def summarise(steps: list[dict[str, Any]]) -> dict[str, float]:
-    """Means over all steps and over the warm ones (all but the first, when there are two or more)."""
+    """Means over all steps, over the warm ones (all but the first, when there are two or more) and, for the
+    curves, over the last quarter of the steps (where a run has got to: compare it across modes and seeds)."""
     warm = steps[1:] if len(steps) > 1 else steps
+    last_quarter = steps[-max(1, len(steps) // 4):]
 
     def column(rows: list[dict[str, Any]], key: str) -> list[float]:
         return [row[key] for row in rows if key in row]
@@ -368,6 +442,8 @@ def summarise(steps: list[dict[str, Any]]) -> dict[str, float]:
         "mean_length": _mean(column(steps, "mean_length")),
         "clipped_ratio": _mean(column(steps, "clipped_ratio")),
         "reward_mean": _mean(column(steps, "reward")),
+        "reward_last_quarter": _mean(column(last_quarter, "reward")),
+        "mean_length_last_quarter": _mean(column(last_quarter, "mean_length")),
         "acceptance_rate": _mean(column(steps, "acceptance_rate")),
         "tau": _mean(column(steps, "tau")),
     }
@@ -376,6 +452,12 @@ def summarise(steps: list[dict[str, Any]]) -> dict[str, float]:
     summary["generate_tokens_per_second_warm"] = tokens / generate if generate else math.nan
     summary["step_tokens_per_second_warm"] = tokens / step if step else math.nan
     return summary
+
+
+def run_labels(results: list[dict[str, Any]]) -> list[str]:
+    """A name per result: its mode, with its seed when the results hold more than one seed."""
+    several_seeds = len({result.get("seed") for result in results}) > 1
+    return [f"{r['mode']} seed {r.get('seed')}" if several_seeds else r["mode"] for r in results]
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
@@ -387,77 +469,113 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
-    """One row per mode, plus S3R's speed-ups over each TRL mode when both ran."""
-    header = ["mode", "status", "steps", "train s", "step s (warm)", "gen s/step (warm)", "tokens/step",
-              "mean len", "clipped", "gen tok/s (warm)", "step tok/s (warm)", "reward (mean)", "accept", "tau",
-              "peak GiB"]
+    """One row per run (mode and seed), plus S3R's speed-ups over each TRL mode when both ran (means over seeds)."""
+    header = ["run", "status", "steps", "train s", "step s (warm)", "gen s/step (warm)", "tokens/step",
+              "mean len", "clipped", "gen tok/s (warm)", "step tok/s (warm)", "reward (mean)", "reward (last 1/4)",
+              "len (last 1/4)", "accept", "tau", "peak GiB"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for result in results:
+    for result, label in zip(results, run_labels(results)):
         s = result.get("summary", {})
         status = result["status"]
         if status != "ok":
             status = f"{status.split(':')[0]}: {result.get('error', '')[:80]}"
-        row = [result["mode"], status.replace("|", "/").replace("\n", " "), _fmt(s.get("steps")),
+        row = [label, status.replace("|", "/").replace("\n", " "), _fmt(s.get("steps")),
                _fmt(result.get("train_seconds"), 1), _fmt(s.get("step_seconds_warm")),
                _fmt(s.get("generate_seconds_warm")), _fmt(s.get("completion_tokens_per_step"), 0),
                _fmt(s.get("mean_length"), 1), _fmt(s.get("clipped_ratio")),
                _fmt(s.get("generate_tokens_per_second_warm"), 0), _fmt(s.get("step_tokens_per_second_warm"), 0),
-               _fmt(s.get("reward_mean"), 3), _fmt(s.get("acceptance_rate")), _fmt(s.get("tau")),
+               _fmt(s.get("reward_mean"), 3), _fmt(s.get("reward_last_quarter"), 3),
+               _fmt(s.get("mean_length_last_quarter"), 1), _fmt(s.get("acceptance_rate")), _fmt(s.get("tau")),
                _fmt(result.get("peak_gpu_gib"))]
         lines.append("| " + " | ".join(row) + " |")
-    by_mode = {r["mode"]: r["summary"] for r in results if r.get("summary")}
     for faster, base, meaning in COMPARISONS:
-        if faster not in by_mode or base not in by_mode:
-            continue
         ratios = []
         for key in ("generate_tokens_per_second_warm", "step_tokens_per_second_warm"):
-            ratios.append(by_mode[base][key] and by_mode[faster][key] / by_mode[base][key])
+            fast, slow = _mode_mean(results, faster, key), _mode_mean(results, base, key)
+            ratios.append(fast / slow if slow else math.nan)
+        if all(math.isnan(ratio) for ratio in ratios):
+            continue  # one of the two modes did not run
         lines.append(f"\n{faster} vs {base} ({meaning}; warm steps, tokens/s): generation x{_fmt(ratios[0])}, "
                      f"whole step x{_fmt(ratios[1])}")
     return "\n".join(lines)
 
 
-def reward_table(results: list[dict[str, Any]]) -> str:
-    """Reward per step, one column per mode (the reward curves as numbers)."""
-    ok = [r for r in results if r.get("steps")]
-    if not ok:
+def _mode_mean(results: list[dict[str, Any]], mode: str, key: str) -> float:
+    """The mean of summary `key` over the seeds that `mode` ran with (NaN when it did not run)."""
+    return _mean([r["summary"][key] for r in results if r["mode"] == mode and r.get("summary")])
+
+
+def curve_table(results: list[dict[str, Any]], max_rows: int = 40) -> str:
+    """Reward and mean completion length per step, one column per run (the curves as numbers); long runs show
+    every n-th step, so the table stays within `max_rows` rows."""
+    ran = [(r, label) for r, label in zip(results, run_labels(results)) if r.get("steps")]
+    if not ran:
         return ""
-    steps = sorted({row["step"] for r in ok for row in r["steps"]})
-    lines = ["| step | " + " | ".join(r["mode"] for r in ok) + " |", "|" + "---|" * (len(ok) + 1)]
-    for step in steps:
+    steps = sorted({row["step"] for r, _ in ran for row in r["steps"]})
+    stride = math.ceil(len(steps) / max_rows)
+    shown = steps[::stride] if steps[-1] in steps[::stride] else [*steps[::stride], steps[-1]]
+    lines = ["| step | " + " | ".join(f"{label}: reward / len" for _, label in ran) + " |",
+             "|" + "---|" * (len(ran) + 1)]
+    for step in shown:
         cells = []
-        for r in ok:
+        for r, _ in ran:
             row = next((row for row in r["steps"] if row["step"] == step), {})
-            cells.append(_fmt(row.get("reward"), 3))
+            cells.append(f"{_fmt(row.get('reward'), 3)} / {_fmt(row.get('mean_length'), 1)}")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot_rewards(results: list[dict[str, Any]], path: str) -> None:
-    """Reward (and its mean over the steps so far) against step, one line per mode."""
-    try:
-        import matplotlib
+MODE_COLORS = {"s3r": "tab:red", "engine-ar": "tab:purple", "trl": "tab:blue", "trl-paged": "tab:green"}
+SEED_LINESTYLES = ("-", "--", ":", "-.")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed; no plot written. Re-render later with --from-json ... --plot {path}")
-        return
-    figure, axis = plt.subplots(figsize=(7, 4.5))
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend; a missing matplotlib names the [bench] extra."""
+    _put_repo_on_path()
+    from s3r_hf.errors import require
+
+    require("matplotlib", "bench", "--plot").use("Agg")
+    return require("matplotlib.pyplot", "bench", "--plot")
+
+
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the `window - 1` before it (fewer at the start)."""
+    return [_mean(values[max(0, i + 1 - window): i + 1]) for i in range(len(values))]
+
+
+def plot_curves(results: list[dict[str, Any]], path: str) -> None:
+    """Reward and mean completion length per step, side by side: one colour per mode, one line style per seed.
+
+    Each step's value is drawn faint and its trailing mean over ~5% of the steps solid: a step's reward is the
+    mean of one batch, noisy enough to hide a trend, and the mean keeps the curves' ends comparable.
+    """
+    plt = pyplot()
+    figure, (reward_axis, length_axis) = plt.subplots(1, 2, figsize=(13, 4.8))
+    longest = max((len(r.get("steps", [])) for r in results), default=0)
+    window = max(1, longest // 20)
+    seeds_of: dict[str, list[Any]] = {}
     for result in results:
-        rows = [row for row in result.get("steps", []) if "reward" in row]
-        if not rows:
-            continue
-        steps = [row["step"] for row in rows]
-        rewards = [row["reward"] for row in rows]
-        running = [sum(rewards[: i + 1]) / (i + 1) for i in range(len(rewards))]
-        (line,) = axis.plot(steps, rewards, marker="o", alpha=0.6, label=f"{result['mode']} (per step)")
-        axis.plot(steps, running, linestyle="--", color=line.get_color(), label=f"{result['mode']} (running mean)")
-    axis.set_xlabel("GRPO step")
-    axis.set_ylabel("mean accuracy reward")
-    axis.set_title("GRPO reward: S3R vs dense rollouts")
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
+        seeds_of.setdefault(result["mode"], []).append(result.get("seed"))
+    for result, label in zip(results, run_labels(results)):
+        color = MODE_COLORS.get(result["mode"])
+        style = SEED_LINESTYLES[seeds_of[result["mode"]].index(result.get("seed")) % len(SEED_LINESTYLES)]
+        for axis, key in ((reward_axis, "reward"), (length_axis, "mean_length")):
+            rows = [row for row in result.get("steps", []) if key in row]
+            if not rows:
+                continue
+            steps, values = [row["step"] for row in rows], [row[key] for row in rows]
+            axis.plot(steps, values, color=color, linestyle=style, linewidth=0.7, alpha=0.25)
+            axis.plot(steps, trailing_mean(values, window), color=color, linestyle=style, linewidth=1.6, label=label)
+    smoothing = f" (faint: per step; solid: mean of the last {window})" if window > 1 else ""
+    reward_axis.set_title("reward" + smoothing, fontsize=10)
+    reward_axis.set_ylabel("mean accuracy reward")
+    length_axis.set_title("completion length" + smoothing, fontsize=10)
+    length_axis.set_ylabel("mean completion length (tokens)")
+    for axis in (reward_axis, length_axis):
+        axis.set_xlabel("GRPO step")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.suptitle("GRPO: S3R rollouts vs dense generation")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -471,11 +589,11 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
 
 def report(payload: dict[str, Any], plot: str | None) -> None:
     print("\n" + markdown_table(payload["results"]))
-    rewards = reward_table(payload["results"])
-    if rewards:
-        print("\nReward per step:\n\n" + rewards)
+    curves = curve_table(payload["results"])
+    if curves:
+        print("\nReward and mean completion length per step:\n\n" + curves)
     if plot:
-        plot_rewards(payload["results"], plot)
+        plot_curves(payload["results"], plot)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -484,8 +602,9 @@ def report(payload: dict[str, Any], plot: str | None) -> None:
 
 
 def _child_argv(argv: list[str]) -> list[str]:
-    """The command line minus the options that only the parent acts on (--modes, --json, --plot)."""
-    drop, kept, skip = {"--modes", "--json", "--plot", "--in-process"}, [], False
+    """The command line minus the options that only the parent acts on (--modes, --seeds, --devices, --json,
+    --plot, --in-process)."""
+    drop, kept, skip = {"--modes", "--seeds", "--devices", "--json", "--plot", "--in-process"}, [], False
     for item in argv:
         if skip:
             skip = False
@@ -498,6 +617,45 @@ def _child_argv(argv: list[str]) -> list[str]:
     return kept
 
 
+def run_all(args: argparse.Namespace, argv: list[str], payload: dict[str, Any]) -> None:
+    """Every (mode, seed) run, in that order, into `payload["results"]` (saved to `--json` as each one ends).
+
+    Child processes run one at a time, or with `--devices` one per listed GPU at once: runs on separate GPUs
+    share only the host, so their step times stay comparable.
+    """
+    runs = [(mode, seed) for mode in args.mode_list for seed in args.seed_list]
+    finished: dict[int, dict[str, Any]] = {}
+
+    def save(index: int, result: dict[str, Any]) -> None:
+        finished[index] = result
+        payload["results"] = [finished[i] for i in sorted(finished)]
+        if args.json:
+            _write_json(args.json, payload)
+
+    if args.in_process:
+        for index, (mode, seed) in enumerate(runs):
+            print(f"\n=== {run_name(mode, seed, args)} ===", flush=True)
+            save(index, run_mode(args, mode, seed))
+        return
+    free_devices: queue.Queue[str | None] = queue.Queue()
+    for device in args.device_list or [None]:
+        free_devices.put(device)
+
+    def run_on_a_free_device(mode: str, seed: int) -> dict[str, Any]:
+        device = free_devices.get()
+        where = f" on CUDA device {device}" if device is not None else ""
+        print(f"\n=== {run_name(mode, seed, args)}{where} ===", flush=True)
+        try:
+            return run_child(args, _child_argv(argv), mode, seed, device)
+        finally:
+            free_devices.put(device)
+
+    with ThreadPoolExecutor(max_workers=len(args.device_list) or 1) as pool:
+        futures = {pool.submit(run_on_a_free_device, mode, seed): index for index, (mode, seed) in enumerate(runs)}
+        for future in as_completed(futures):
+            save(futures[future], future.result())
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -507,16 +665,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         report(payload, args.plot)
         return payload["results"]
     if args.child_out:
-        _write_json(args.child_out, run_mode(args, args.mode_list[0]))
+        _write_json(args.child_out, run_mode(args, args.mode_list[0], args.seed))
         return []
-    settings = {key: value for key, value in vars(args).items() if key not in {"child_out", "from_json", "mode_list"}}
+    if args.plot:
+        pyplot()  # a missing matplotlib fails now, not after the runs
+    settings = {key: value for key, value in vars(args).items()
+                if key not in {"child_out", "from_json", "mode_list", "seed_list", "device_list"}}
     payload: dict[str, Any] = {"settings": settings, "results": []}
-    for mode in args.mode_list:
-        print(f"\n=== {mode} ===", flush=True)
-        result = run_mode(args, mode) if args.in_process else run_child(args, _child_argv(argv), mode)
-        payload["results"].append(result)
-        if args.json:
-            _write_json(args.json, payload)
+    run_all(args, argv, payload)
     report(payload, args.plot)
     return payload["results"]
 

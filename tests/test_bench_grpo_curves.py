@@ -1,0 +1,117 @@
+"""tools/bench_grpo.py's training-curve path on CPU: the arithmetic dataset, several seeds, per-step records, the
+two-panel plot, and concurrent runs placed one per device."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_tokenizer
+from tests.test_trl_integration import tiny_policy
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_grpo.py"
+TINY_S3R = '{"draft_len": 2, "min_budget": 2, "budget_ratio": 0.1, "page_size": 4}'
+
+
+def bench_grpo():
+    spec = importlib.util.spec_from_file_location("bench_grpo", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> str:
+    directory = tmp_path_factory.mktemp("policy")
+    tiny_policy().save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return str(directory)
+
+
+def test_two_steps_per_mode_and_seed_on_arithmetic_give_records_and_the_plot(tiny_model_dir, tmp_path):
+    bench = bench_grpo()
+    out, plot = tmp_path / "curves.json", tmp_path / "curves.png"
+    results = bench.main([
+        "--model", tiny_model_dir, "--dataset", "arithmetic", "--arithmetic-size", "16", "--arithmetic-seed", "5",
+        "--modes", "s3r,trl", "--seeds", "1,2", "--max-steps", "2", "--num-generations", "4",
+        "--per-device-batch", "4", "--max-completion-length", "6", "--learning-rate", "1e-2",
+        "--s3r-config", TINY_S3R, "--in-process", "--output-dir", str(tmp_path / "trainer"),
+        "--json", str(out), "--plot", str(plot),
+    ])
+    assert [(r["mode"], r["seed"], r["status"]) for r in results] == [
+        ("s3r", 1, "ok"), ("s3r", 2, "ok"), ("trl", 1, "ok"), ("trl", 2, "ok")]
+    for result in results:
+        assert [row["step"] for row in result["steps"]] == [1, 2]
+        for row in result["steps"]:
+            assert {"reward", "mean_length", "step_seconds", "generate_seconds"} <= row.keys()
+            assert row["step_seconds"] > 0 and row["generate_seconds"] > 0
+        assert result["summary"]["steps"] == 2
+    assert all("tau" in row for result in results if result["mode"] == "s3r" for row in result["steps"])
+    saved = json.loads(out.read_text())
+    assert saved["settings"]["seeds"] == "1,2" and saved["settings"]["dataset"] == "arithmetic"
+    assert len(saved["results"]) == 4
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert bench.run_labels(results) == ["s3r seed 1", "s3r seed 2", "trl seed 1", "trl seed 2"]
+    assert "trl seed 2: reward / len" in bench.curve_table(results)
+
+
+def test_saved_results_re_render_into_a_plot_without_running(tmp_path):
+    bench = bench_grpo()
+    steps = [{"step": i, "reward": i / 10, "mean_length": 20.0 - i, "step_seconds": 1.0} for i in range(1, 41)]
+    saved = tmp_path / "old.json"
+    saved.write_text(json.dumps({"results": [{"mode": "trl", "status": "ok", "steps": steps}]}))  # no seed key
+    plot = tmp_path / "again.png"
+    results = bench.main(["--from-json", str(saved), "--plot", str(plot)])
+    assert bench.run_labels(results) == ["trl"] and plot.is_file()
+    assert bench.trailing_mean([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
+    table = bench.curve_table(results, max_rows=10)
+    assert table.count("\n") - 1 <= 11 and "| 40 |" in table  # every 4th step, and the last
+
+
+def test_runs_go_one_per_device_at_a_time(monkeypatch):
+    bench = bench_grpo()
+    placed, running, most = [], [0], [0]
+    lock = threading.Lock()
+
+    def fake_child(args, argv, mode, seed, device=None):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            placed.append((mode, seed, device))
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        assert "--seeds" not in argv and "--devices" not in argv
+        return {"mode": mode, "seed": seed, "status": "ok", "steps": []}
+
+    monkeypatch.setattr(bench, "run_child", fake_child)
+    results = bench.main(["--modes", "s3r,trl", "--seeds", "1,2,3", "--devices", "0,1"])
+    assert [(r["mode"], r["seed"]) for r in results] == [(m, s) for m in ("s3r", "trl") for s in (1, 2, 3)]
+    assert most[0] == 2 and {device for *_, device in placed} == {"0", "1"}
+
+
+def test_child_command_lines_drop_the_parent_only_options():
+    bench = bench_grpo()
+    argv = ["--modes", "s3r", "--seeds=1,2", "--devices", "0,1", "--json", "x.json", "--in-process", "--seed", "3"]
+    assert bench._child_argv(argv) == ["--seed", "3"]
+
+
+@pytest.mark.parametrize("bad", [["--seeds", "1,1"], ["--seeds", "a"], ["--devices", "0", "--in-process"],
+                                 ["--dataset", "arithmetic", "--limit", "3"]])
+def test_bad_curve_options_are_refused(bad):
+    with pytest.raises(SystemExit):
+        bench_grpo().parse_args(bad)
+
+
+def test_a_run_in_its_own_child_process_trains_with_its_seed(tiny_model_dir, tmp_path):
+    results = bench_grpo().main([
+        "--model", tiny_model_dir, "--dataset", "arithmetic", "--arithmetic-size", "8", "--modes", "trl",
+        "--seeds", "7", "--max-steps", "1", "--num-generations", "4", "--per-device-batch", "4",
+        "--max-completion-length", "4", "--output-dir", str(tmp_path / "trainer"),
+    ])
+    assert [(r["mode"], r["seed"], r["status"], len(r["steps"])) for r in results] == [("trl", 7, "ok", 1)]
