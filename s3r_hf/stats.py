@@ -42,6 +42,10 @@ class S3RStats:
     offload_episodes: int = 0  # requests paused (KV moved to host memory) under KV pressure
     pages_offloaded: int = 0
     peak_kv_pages: int = 0
+    # The AIMD concurrency limit: `(engine step, limit)` where it changed, the starting limit at step 0 first; and how
+    # many steps lowered it (KV pressure or a restore backlog).
+    concurrency_trace: list[tuple[int, int]] = field(default_factory=list)
+    concurrency_backoffs: int = 0
     # Wall time of prefill steps and of decoding rounds; when the engine times, the device is synchronized where
     # the engine switches between the two (not between rounds, which overlap).
     prefill_seconds: float = 0.0
@@ -98,6 +102,25 @@ class S3RStats:
             self.position_drafted.extend([0] * missing)
             self.position_accepted.extend([0] * missing)
 
+    def record_concurrency_limit(self, step: int, limit: int, previous: int | None = None) -> None:
+        """The limit after engine step `step` (`previous`: the limit before it; None for the starting limit)."""
+        if previous is not None and limit < previous:
+            self.concurrency_backoffs += 1
+        if not self.concurrency_trace or self.concurrency_trace[-1][1] != limit:
+            self.concurrency_trace.append((step, limit))
+
+    @property
+    def concurrency_limit_min(self) -> int:
+        return min((limit for _, limit in self.concurrency_trace), default=0)
+
+    @property
+    def concurrency_limit_max(self) -> int:
+        return max((limit for _, limit in self.concurrency_trace), default=0)
+
+    @property
+    def concurrency_limit_final(self) -> int:
+        return self.concurrency_trace[-1][1] if self.concurrency_trace else 0
+
     @property
     def num_draft_tokens(self) -> int:
         """vLLM's name for `drafted`: draft tokens proposed."""
@@ -151,6 +174,11 @@ class S3RStats:
             "offload_episodes": self.offload_episodes,
             "pages_offloaded": self.pages_offloaded,
             "peak_kv_pages": self.peak_kv_pages,
+            "concurrency_trace": [list(entry) for entry in self.concurrency_trace],
+            "concurrency_backoffs": self.concurrency_backoffs,
+            "concurrency_limit_min": self.concurrency_limit_min,
+            "concurrency_limit_max": self.concurrency_limit_max,
+            "concurrency_limit_final": self.concurrency_limit_final,
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
             "graph_captures": self.graph_captures,

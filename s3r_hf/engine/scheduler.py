@@ -37,6 +37,8 @@ class Scheduler:
         self.config = config
         self.stats = stats
         self.concurrency = AIMDConcurrency(config)
+        self.steps = 0  # engine steps so far, prefill steps included
+        stats.record_concurrency_limit(0, self.concurrency.limit)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.paused: deque[Request] = deque()
@@ -63,7 +65,10 @@ class Scheduler:
             self.running.remove(request)
             self.cache.release(request.slot)
             request.slot = None
-        self.concurrency.update(self.cache.utilization, len(self.paused))
+        self.steps += 1
+        previous = self.concurrency.limit
+        limit = self.concurrency.update(self.cache.utilization, len(self.paused))
+        self.stats.record_concurrency_limit(self.steps, limit, previous)
 
     # ---------------------------------------------------------------- KV capacity
     def pages_needed(self, request: Request) -> int:
