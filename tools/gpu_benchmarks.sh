@@ -52,6 +52,11 @@
 #   grpo         GRPO rollouts, S3R vs TRL generation (installs $GRPO_WHEELS first; S3R's first step compiles for
 #                ~30 s on a fresh machine, so each mode gets 140 s); GRPO_EXTRA="--model-dtype bfloat16 --bf16" runs
 #                it in bf16
+#   curves       training curves on the arithmetic task (S3R rollouts vs TRL generation, the same seeds and settings;
+#                docs/benchmarks.md, "Training curves"): SmolLM2 fp32, CURVES_STEPS (default 150) GRPO steps of
+#                8 prompts x 8 generations, <= 64 tokens each; CURVES_MODES (s3r,trl) x CURVES_SEEDS (1,2) runs, one
+#                per GPU at once (CURVES_DEVICES, default every GPU); writes curves_*.json and curves.png. Fits one
+#                10-minute call on 4 GPUs (see the step for fewer)
 #   rollout-smol the RL rollout benchmark (s3r-hf bench --rollout) on SmolLM2, bf16, graphs + compiled layers:
 #                engine AR, fixed-k S3R and adaptive S3R, every call timed whole; ROLLOUT_SMOL="PROMPTS:PRESET ..."
 #                (default "8:medium": 8 prompts x 8 generations, <= 2,048 new tokens)
@@ -60,7 +65,7 @@
 #   adaptive-tests  CUDA tests of adaptive draft lengths (greedy identity, G-test with k varying, graphs)
 #   rollout      a GRPO-shaped S3R generate call outside TRL (tools/probe_rollout.py): its time by phase, then one
 #                call profiled; fp32 then bf16 (PROBE_CONFIG overrides the S3RConfig JSON)
-# ROLLOUT_CALLS and ROLLOUT_MODES set the rollout steps' --calls and --modes.
+# ROLLOUT_CALLS and ROLLOUT_MODES set the rollout steps' --calls and --modes; CURVES_LR the curves' learning rate.
 #
 # Example: SMOL_MODEL=~/models/SmolLM2-135M-Instruct.Q4_1.gguf DATA=~/data/math_train.json \
 #            bash tools/gpu_benchmarks.sh setup tests smol rollout-smol
@@ -215,6 +220,40 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
       --per-device-batch 32 --num-generations 8 --max-completion-length 512 --max-seconds-per-mode 90 \
       --mode-timeout 140 --s3r-config '{"cuda_graphs": true, "compile_layers": true}' ${GRPO_EXTRA:-} --json "$OUT/grpo.json" 2>&1 \
       | grep -v -i warn | tee "$OUT/grpo.log" | tail -60
+    ;;
+  curves)
+    # About 9.5 minutes with setup: the model converted once (~20 s), then every run in its own process on its own
+    # GPU, each given (530 s / waves) - 70 s of training, a wave being one run per GPU (70 s for start-up and a last
+    # step that may pass the budget). On 4 GPUs the four runs share one wave and each may train for 460 s: 150 TRL
+    # steps at up to ~3 s each (64 completions of <= 64 tokens; the grpo step's TRL generate took 28 ms per token in
+    # fp32), S3R's shorter. A run that is slower stops at the budget and its curves end there. With fewer GPUs,
+    # split the runs over calls of one wave each: on 2 GPUs `CURVES_MODES=s3r`, then `CURVES_MODES=trl`; on one GPU
+    # also one seed per call (CURVES_SEEDS=1, then 2). Each call writes its own curves_MODES_seeds_SEEDS.json and
+    # redraws curves.png from all of them. fp32 as in the grpo step: bf16 weights would round away updates of this
+    # size, and fp32 is where greedy S3R matches the engine's dense decoding on every row.
+    # shellcheck disable=SC2086
+    wheels=$(wheels_in $GRPO_WHEELS)
+    [ -n "$wheels" ] && install_wheels $wheels
+    python3 -c "import sys; from s3r_hf.models import load_model_and_tokenizer as load; load(sys.argv[1])" "$smol" \
+      2>&1 | grep -v -i warn | tail -3
+    devices=${CURVES_DEVICES-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | paste -sd, -)}
+    modes=${CURVES_MODES:-s3r,trl} seeds=${CURVES_SEEDS:-1,2}
+    runs=$(( $(echo "$modes" | tr , '\n' | wc -l) * $(echo "$seeds" | tr , '\n' | wc -l) ))
+    gpus=$(echo "$devices" | tr , '\n' | grep -c .)
+    [ "$gpus" -ge 1 ] || gpus=1
+    waves=$(( (runs + gpus - 1) / gpus ))
+    budget=$(( 530 / waves - 70 ))
+    name=curves_${modes//,/_}_seeds_${seeds//,/_}
+    log "curves: $runs runs on GPUs ${devices:-?} in $waves wave(s), up to ${budget}s of training each"
+    timeout 530 python3 tools/bench_grpo.py --model "$smol" --dataset arithmetic --arithmetic-size 4096 \
+      --modes "$modes" --seeds "$seeds" --devices "$devices" --max-steps ${CURVES_STEPS:-150} --per-device-batch 64 \
+      --num-generations 8 --max-completion-length 64 --learning-rate ${CURVES_LR:-1e-5} \
+      --max-seconds-per-mode $budget --mode-timeout $(( budget + 60 )) \
+      --s3r-config '{"cuda_graphs": true, "compile_layers": true}' --json "$OUT/$name.json" 2>&1 \
+      | grep -v -i warn | tee "$OUT/$name.log" | grep -v "^\[" | tail -70
+    # The plot is drawn apart from the runs, so a machine without matplotlib still keeps their JSON (draw it
+    # elsewhere with the same command).
+    python3 tools/bench_grpo.py --from-json "$OUT"/curves_*_seeds_*.json --plot "$OUT/curves.png" > /dev/null
     ;;
   rollout-smol)
     for point in ${ROLLOUT_SMOL:-8:medium}; do
