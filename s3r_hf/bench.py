@@ -146,10 +146,10 @@ def time_engine(
     # Steady state: CUDA-graph captures (once per batch bucket and call) are reported apart.
     decode = stats.decode_seconds - stats.graph_capture_seconds
     return {
-        "ms_per_step": decode / max(stats.steps, 1) * 1e3,
+        "ms_per_step": decode / max(stats.decode_steps, 1) * 1e3,
         "tokens_per_s": stats.committed / decode,
         # Requests per step: below B when a fixed batch's finished rows leave the slowest ones running alone.
-        "mean_rows_per_step": stats.rounds / max(stats.steps, 1),
+        "mean_rows_per_step": stats.request_rounds / max(stats.decode_steps, 1),
         "graph_captures": stats.graph_captures,
         "graph_capture_s": stats.graph_capture_seconds,
         "prefill_s": stats.prefill_seconds,
@@ -157,7 +157,7 @@ def time_engine(
         "mean_acceptance_length": stats.mean_acceptance_length,
         "acceptance_rate": stats.acceptance_rate,
         "per_position_acceptance": stats.per_position_acceptance,
-        "stage_ms_per_step": {k: v / max(stats.steps, 1) * 1e3 for k, v in stats.stage_seconds.items()},
+        "stage_ms_per_step": {k: v / max(stats.decode_steps, 1) * 1e3 for k, v in stats.stage_seconds.items()},
         "sequences": out,
     }
 

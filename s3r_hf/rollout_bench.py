@@ -195,8 +195,8 @@ def call_record(output: Any, seconds: float, prompt_len: int, eos_ids: set[int],
             graph_captures=stats.graph_captures,
             # Validation, KV-pool allocation, output assembly: what the engine's own timers do not cover.
             other_s=max(seconds - stats.prefill_seconds - stats.decode_seconds, 0.0),
-            steps=stats.steps,
-            decode_ms_per_step=decode / max(stats.steps, 1) * 1e3,
+            steps=stats.decode_steps,
+            decode_ms_per_step=decode / max(stats.decode_steps, 1) * 1e3,
             stats=stats.to_dict(),
         )
     return record
@@ -224,13 +224,13 @@ def summarise(calls: list[dict[str, Any]]) -> dict[str, Any]:
         summary["cold_graph_captures"] = calls[0].get("graph_captures", 0)
         # Speculation over every call (acceptance does not warm up), from the summed counts.
         totals = {key: sum(c["stats"][key] for c in calls) for key in
-                  ("rounds", "num_drafts", "dense_steps", "drafted", "accepted", "committed", "steps")}
+                  ("request_rounds", "num_drafts", "dense_steps", "drafted", "accepted", "committed", "decode_steps")}
         summary.update(
-            tau=totals["committed"] / totals["rounds"] if totals["rounds"] else 0.0,
+            tau=totals["committed"] / totals["request_rounds"] if totals["request_rounds"] else 0.0,
             mean_acceptance_length=(1.0 + totals["accepted"] / totals["num_drafts"]) if totals["num_drafts"] else 1.0,
             acceptance_rate=totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
-            dense_step_share=totals["dense_steps"] / totals["rounds"] if totals["rounds"] else 0.0,
-            mean_rows_per_step=totals["rounds"] / totals["steps"] if totals["steps"] else 0.0,
+            dense_step_share=totals["dense_steps"] / totals["request_rounds"] if totals["request_rounds"] else 0.0,
+            mean_rows_per_step=totals["request_rounds"] / totals["decode_steps"] if totals["decode_steps"] else 0.0,
             num_drafts=totals["num_drafts"],
             dense_steps=totals["dense_steps"],
         )

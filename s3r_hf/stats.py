@@ -31,8 +31,10 @@ class S3RStats:
     `num_accepted_tokens_per_pos`.
     """
 
-    steps: int = 0  # lockstep rounds of the engine (each: the draft passes, if any, and one verify forward)
-    rounds: int = 0  # request-rounds (one per request verified in a step), dense steps included
+    # Decode steps of the engine: each runs one round of every running request (its draft passes, if any, and one
+    # verify or dense forward). Prefill steps are not counted.
+    decode_steps: int = 0
+    request_rounds: int = 0  # one per request in each decode step, dense steps included
     num_drafts: int = 0  # request-rounds that drafted at least one token (vLLM's num_drafts)
     dense_steps: int = 0  # request-rounds that drafted nothing: one dense token, not a draft
     drafted: int = 0
@@ -73,7 +75,7 @@ class S3RStats:
         counts in `rounds`, `committed` and τ, and in `dense_steps` instead of `num_drafts`.
         """
         lengths = Counter(num_drafted)
-        self.rounds += len(num_drafted)
+        self.request_rounds += len(num_drafted)
         self.dense_steps += lengths[0]
         self.num_drafts += len(num_drafted) - lengths[0]
         for length, count in lengths.items():
@@ -148,12 +150,29 @@ class S3RStats:
         1.0 when dense steps ran (each commits one token) and 0.0 when nothing ran."""
         if self.num_drafts:
             return 1.0 + self.accepted / self.num_drafts
-        return 1.0 if self.rounds else 0.0
+        return 1.0 if self.request_rounds else 0.0
 
     @property
     def tau(self) -> float:
         """τ: committed tokens per request-round, dense steps included (after the cut at EOS or `max_new_tokens`)."""
-        return self.committed / self.rounds if self.rounds else 0.0
+        return self.committed / self.request_rounds if self.request_rounds else 0.0
+
+    # The former names of `decode_steps` and `request_rounds`, kept working.
+    @property
+    def steps(self) -> int:
+        return self.decode_steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.decode_steps = value
+
+    @property
+    def rounds(self) -> int:
+        return self.request_rounds
+
+    @rounds.setter
+    def rounds(self, value: int) -> None:
+        self.request_rounds = value
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -163,8 +182,8 @@ class S3RStats:
     def to_dict(self) -> dict[str, Any]:
         """Every count and summary as plain Python values (JSON-ready; `draft_length_counts` has int keys)."""
         return {
-            "steps": self.steps,
-            "rounds": self.rounds,
+            "decode_steps": self.decode_steps,
+            "request_rounds": self.request_rounds,
             "num_drafts": self.num_drafts,
             "dense_steps": self.dense_steps,
             "drafted": self.drafted,

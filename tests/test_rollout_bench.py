@@ -22,7 +22,7 @@ def check_engine_counts(mode: str, calls: list[dict], batch: int, draft_len: int
         stats = call["stats"]
         # The first token of every response is sampled at prefill; the engine's rounds commit the rest.
         assert stats["committed"] + batch == call["tokens"]
-        assert stats["num_drafts"] + stats["dense_steps"] == stats["rounds"]
+        assert stats["num_drafts"] + stats["dense_steps"] == stats["request_rounds"]
         assert call["prefill_s"] >= 0 and call["decode_s"] > 0 and call["seconds"] > 0
         if mode == "ar":
             assert stats["num_drafts"] == 0 and stats["tau"] == 1.0

@@ -56,7 +56,17 @@ def test_to_dict_is_json_ready_and_names_every_metric():
     stats.record_round([2, 0], [1, 0], [2, 1])
     values = json.loads(json.dumps(stats.to_dict()))
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
-                "mean_acceptance_length", "dense_steps", "tau", "draft_length_counts"):
+                "mean_acceptance_length", "dense_steps", "tau", "draft_length_counts", "decode_steps",
+                "request_rounds"):
         assert key in values
     assert values["num_accepted_tokens_per_pos"] == [1, 0]
     assert values["draft_length_counts"] == {"0": 1, "2": 1}
+
+
+def test_decode_steps_and_request_rounds_keep_their_former_names():
+    stats = S3RStats()
+    stats.record_round([2, 0, 1], [1, 0, 1], [2, 1, 2])
+    stats.steps += 1  # the former name of decode_steps
+    assert (stats.decode_steps, stats.request_rounds) == (1, 3)
+    assert (stats.steps, stats.rounds) == (1, 3)
+    assert {"decode_steps", "request_rounds"} <= set(stats.to_dict())

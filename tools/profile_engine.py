@@ -97,7 +97,7 @@ def main() -> None:
                                  s3r_forced_acceptance=acceptance, **common)
             profiler.disable()
             stats = out.s3r_stats
-            print(f"\n===== {mode}: steps {stats.steps}, decode {stats.decode_seconds:.3f}s, prefill "
+            print(f"\n===== {mode}: steps {stats.decode_steps}, decode {stats.decode_seconds:.3f}s, prefill "
                   f"{stats.prefill_seconds:.3f}s")
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.rows)
             continue
@@ -105,7 +105,7 @@ def main() -> None:
         # kernel running (host waits, gaps between kernels).
         stats = model.generate(input_ids, max_new_tokens=args.max_new_tokens, s3r_mode=mode,
                                s3r_forced_acceptance=acceptance, **common).s3r_stats
-        wall_ms = (stats.decode_seconds - stats.graph_capture_seconds) * 1e3 / max(stats.steps, 1)
+        wall_ms = (stats.decode_seconds - stats.graph_capture_seconds) * 1e3 / max(stats.decode_steps, 1)
         totals, steps, committed = [], [], []
         # Two calls that differ only in decode steps: their difference leaves out the graph captures (each call's
         # engine captures its own).
@@ -114,11 +114,12 @@ def main() -> None:
                 out = model.generate(input_ids, max_new_tokens=max_new_tokens, s3r_mode=mode,
                                      s3r_forced_acceptance=acceptance, **common)
             totals.append(kernel_totals(prof))
-            steps.append(out.s3r_stats.steps)
+            steps.append(out.s3r_stats.decode_steps)
             committed.append(out.s3r_stats.committed)
         stats = out.s3r_stats
-        print(f"\n===== {mode}: steps {stats.steps}, decode {stats.decode_seconds * 1e3 / max(stats.steps, 1):.2f} "
-              f"ms/step (profiled), tau {stats.tau:.2f}")
+        ms_per_step = stats.decode_seconds * 1e3 / max(stats.decode_steps, 1)
+        print(f"\n===== {mode}: steps {stats.decode_steps}, decode {ms_per_step:.2f} ms/step (profiled), "
+              f"tau {stats.tau:.2f}")
         step_count = max(steps[1] - steps[0], 1)
         table, kernel_ms = kernel_table(totals[1], totals[0], step_count, args.rows)
         print(f"unprofiled: {wall_ms:.2f} ms/step wall, {kernel_ms:.2f} ms/step of kernels, so the device runs no "
