@@ -65,6 +65,9 @@
 #   adaptive-tests  CUDA tests of adaptive draft lengths (greedy identity, G-test with k varying, graphs)
 #   rollout      a GRPO-shaped S3R generate call outside TRL (tools/probe_rollout.py): its time by phase, then one
 #                call profiled; fp32 then bf16 (PROBE_CONFIG overrides the S3RConfig JSON)
+#   layers       engine AR and S3R ms per step with the decoder layers eager, compiled per layer, compiled with
+#                max-autotune, and with liger-kernel's ops (tools/decode_layer_options.py; liger-kernel among the
+#                --wheels): SmolLM2 at B=64, S=4K, then the Qwen3-1.7B shape at B=64, S=8K (about 8 minutes)
 # ROLLOUT_CALLS and ROLLOUT_MODES set the rollout steps' --calls and --modes; CURVES_LR the curves' learning rate.
 #
 # Example: SMOL_MODEL=~/models/SmolLM2-135M-Instruct.Q4_1.gguf DATA=~/data/math_train.json \
@@ -274,6 +277,12 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
       tests/test_adaptive_exactness.py tests/test_cuda_graphs.py \
       "tests/test_exactness_sampling.py::test_s3r_samples_stay_exact_when_the_draft_length_varies" \
       2>&1 | tee "$OUT/adaptive_tests.log" | tail -15
+    ;;
+  layers)
+    timeout 280 python3 tools/decode_layer_options.py --model "$smol" --batch 64 --seq 4096 --timeout 90 \
+      --json "$OUT/layers_smol.json" 2>&1 | grep -v -i warn | tee "$OUT/layers_smol.log" | tail -12
+    timeout 280 python3 tools/decode_layer_options.py --model qwen3-1.7b --batch 64 --seq 8192 --timeout 90 \
+      --json "$OUT/layers_qwen.json" 2>&1 | grep -v -i warn | tee "$OUT/layers_qwen.log" | tail -12
     ;;
   rollout)
     for dtype in float32 bfloat16; do
