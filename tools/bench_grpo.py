@@ -358,7 +358,7 @@ def run_mode(args: argparse.Namespace, mode: str, seed: int) -> dict[str, Any]:
             )
             for noisy in (PrinterCallback, ProgressCallback):
                 trainer.remove_callback(noisy)
-            trainer.add_callback(StepCallback(run_name(mode, seed, args), args.max_seconds_per_mode, args.min_steps,
+            trainer.add_callback(StepCallback(run_name(mode, seed), args.max_seconds_per_mode, args.min_steps,
                                               record))
             if on_cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -376,16 +376,16 @@ def run_mode(args: argparse.Namespace, mode: str, seed: int) -> dict[str, Any]:
         result["error"] = f"{type(error).__name__}: {error}"
         trace = traceback.format_exc()
         result["traceback"] = trace if len(trace) <= 6000 else f"{trace[:3000]}\n...\n{trace[-3000:]}"
-        print(f"[{run_name(mode, seed, args)}] FAILED: {result['error']}", file=sys.stderr, flush=True)
+        print(f"[{run_name(mode, seed)}] FAILED: {result['error']}", file=sys.stderr, flush=True)
         print(result["traceback"], file=sys.stderr, flush=True)
     if result.get("steps"):
         result["summary"] = summarise(result["steps"])
     return result
 
 
-def run_name(mode: str, seed: int, args: argparse.Namespace) -> str:
-    """How logs name a run: its mode, and its seed when several seeds run."""
-    return f"{mode} seed {seed}" if len(args.seed_list) > 1 else mode
+def run_name(mode: str, seed: int) -> str:
+    """How logs name a run (with its seed: runs of one mode may print at the same time)."""
+    return f"{mode} seed {seed}"
 
 
 def run_child(args: argparse.Namespace, argv: list[str], mode: str, seed: int,
@@ -405,7 +405,7 @@ def run_child(args: argparse.Namespace, argv: list[str], mode: str, seed: int,
             problem = f"child process exited with code {code}"
         except subprocess.TimeoutExpired:  # `run` has killed the child; keep the steps it finished
             problem = f"killed after --mode-timeout {args.mode_timeout:.0f}s"
-            print(f"[{run_name(mode, seed, args)}] {problem}", flush=True)
+            print(f"[{run_name(mode, seed)}] {problem}", flush=True)
         result = json.loads(out.read_text()) if out.is_file() else None
     if result is None:
         return {"mode": mode, "seed": seed, "status": "failed", "error": f"{problem} and wrote no result"}
@@ -634,7 +634,7 @@ def run_all(args: argparse.Namespace, argv: list[str], payload: dict[str, Any]) 
 
     if args.in_process:
         for index, (mode, seed) in enumerate(runs):
-            print(f"\n=== {run_name(mode, seed, args)} ===", flush=True)
+            print(f"\n=== {run_name(mode, seed)} ===", flush=True)
             save(index, run_mode(args, mode, seed))
         return
     free_devices: queue.Queue[str | None] = queue.Queue()
@@ -644,7 +644,7 @@ def run_all(args: argparse.Namespace, argv: list[str], payload: dict[str, Any]) 
     def run_on_a_free_device(mode: str, seed: int) -> dict[str, Any]:
         device = free_devices.get()
         where = f" on CUDA device {device}" if device is not None else ""
-        print(f"\n=== {run_name(mode, seed, args)}{where} ===", flush=True)
+        print(f"\n=== {run_name(mode, seed)}{where} ===", flush=True)
         try:
             return run_child(args, _child_argv(argv), mode, seed, device)
         finally:
