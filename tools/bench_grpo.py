@@ -14,10 +14,10 @@ time, the generation time, completion tokens per step, tokens/s and the reward o
         --max-completion-length 1024 --json grpo_bench.json --plot grpo_reward.png
 
 Training curves (do S3R rollouts train as dense ones do?): `--dataset arithmetic` trains on short arithmetic
-problems generated on the fly (`trl_integration/examples/arithmetic.py`, graded by math-verify), which SmolLM2-135M
-learns within a few hundred steps; `--seeds 1,2` runs every mode once per seed, so the spread between a mode's
-seeds shows run-to-run noise; `--devices 0,1,2,3` runs that many at once, each child on its own GPU. `--plot`
-draws reward and mean completion length per step side by side, one line per mode and seed:
+problems generated on the fly (`trl_integration/examples/arithmetic.py`, graded by math-verify), small enough for
+SmolLM2-135M to improve on within a few hundred steps; `--seeds 1,2` runs every mode once per seed, so the
+spread between a mode's seeds shows run-to-run noise; `--devices 0,1,2,3` runs that many at once, each child on
+its own GPU. `--plot` draws reward and mean completion length per step side by side, one line per mode and seed:
 
     python tools/bench_grpo.py --dataset arithmetic --modes s3r,trl --seeds 1,2 --max-steps 200 \\
         --max-completion-length 64 --learning-rate 1e-5 --json curves.json --plot curves.png

@@ -1,4 +1,4 @@
-"""Short arithmetic problems generated on the fly: a verifiable task a 135M model learns within a few hundred steps.
+"""Short arithmetic problems generated on the fly: a verifiable task sized for a 135M model to improve on in GRPO.
 
     from trl_integration.examples.arithmetic import load_arithmetic_dataset
     from trl_integration.examples.grpo_math import accuracy_reward      # the reward: math-verify on \\boxed{}
