@@ -45,7 +45,12 @@ class S3RConfig:
             Share of the free device memory a pool sized by default (`num_pages=None`) may take; the rest is left
             for activations, CUDA graphs and compiled layers.
         prefill_chunk_size (`int`, defaults to 2048):
-            Most prompt tokens packed into one forward during prefill.
+            Most prompt tokens packed into one forward during prefill (and into one mixed step).
+        mixed_steps (`bool`, defaults to `False`):
+            Pack the prompt chunks of newly admitted or restored requests into the verify forward of the running
+            requests' round (a mixed step, up to `prefill_chunk_size` prompt tokens), so new requests do not stall
+            decoding. Mixed steps run eagerly (CUDA graphs cover pure decode steps) and queue no early launch.
+            Off: any prompt left to prefill makes the step a prefill step that every decoding request waits for.
         concurrency_min / concurrency_max (`int`, defaults to 160 / 256):
             AIMD bounds `(C_min, C_max)` on concurrently running requests.
         concurrency_step (`int`, defaults to 5):
@@ -93,6 +98,7 @@ class S3RConfig:
     num_pages: int | None = None
     kv_memory_fraction: float = 0.8
     prefill_chunk_size: int = 2048
+    mixed_steps: bool = False
     concurrency_min: int = 160
     concurrency_max: int = 256
     concurrency_step: int = 5
@@ -127,7 +133,7 @@ class S3RConfig:
         _check_float(self, "utilization_low", low=0.0, high=1.0)
         _check_float(self, "utilization_high", low=self.utilization_low, high=1.0)
         _check_int(self, "restore_backlog_threshold", low=0)
-        for name in ("adaptive", "cuda_graphs", "compile_layers", "keep_state", "return_logprobs"):
+        for name in ("adaptive", "mixed_steps", "cuda_graphs", "compile_layers", "keep_state", "return_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"S3RConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:

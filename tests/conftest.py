@@ -102,8 +102,8 @@ def view_checks(monkeypatch):
         SpeculativeRound.run, IndexViewUpdates.rebuild, IndexViewUpdates.extend
     )
 
-    def checked_run(self, requests, k):
-        original_run(self, requests, k)
+    def checked_run(self, requests, k, prompts=None):
+        verified = original_run(self, requests, k, prompts)
         views = self.cache.index_views
         for request in requests:
             if request.status is RequestStatus.FINISHED:
@@ -114,6 +114,7 @@ def view_checks(monkeypatch):
             assert bool((positions[..., 1:] > positions[..., :-1]).all()), "a view is not sorted"
             if not self.views_stale:  # after a dense step the views wait for the next refresh
                 assert bool((positions[..., -1] == request.committed - 1).all()), "a view misses the latest token"
+        return verified
 
     def counted(name, original):
         def wrapper(self, *args, **kwargs):

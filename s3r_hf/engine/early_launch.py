@@ -155,5 +155,5 @@ class EarlyLaunches:
         if scored:  # its scores are laid out by the launched rows; the refresh would read other requests' segments
             return None
         keep = self.runner.tensor(rows)  # one query per request, so a request's row is its logits row too
-        plan, logits, _, target_scores = launched.verified
-        return Verified(plan, logits[keep], list(range(len(rows) + 1)), target_scores[keep])
+        verified = launched.verified
+        return Verified(verified.plan, verified.logits[keep], list(range(len(rows) + 1)), verified.target_scores[keep])

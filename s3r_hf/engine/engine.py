@@ -1,5 +1,5 @@
-"""`S3REngine`: runs a batch of requests to completion. Schedule a step, run it (a prefill step or a round), release
-what finished."""
+"""`S3REngine`: runs a batch of requests to completion. Schedule a step, run it (a prefill step, a round, or a mixed
+step: a round whose verify forward also prefills), release what finished."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from s3r_hf.draft_policy import DraftLengthPolicy, FixedDraftLength, adaptive_fo
 from s3r_hf.engine.acceptance import acceptance_for
 from s3r_hf.engine.commit import Committer
 from s3r_hf.engine.early_launch import EarlyLaunches
+from s3r_hf.engine.first_tokens import FirstTokens
+from s3r_hf.engine.mixed_step import MixedStep
 from s3r_hf.engine.model_runner import ModelRunner
 from s3r_hf.engine.round import SpeculativeRound
 from s3r_hf.engine.round_timing import RoundTimer
@@ -26,7 +28,6 @@ from s3r_hf.engine.scheduler import Scheduler
 from s3r_hf.engine.view_updates import IndexViewUpdates
 from s3r_hf.request import Request
 from s3r_hf.runtime_state import ModelRuntime
-from s3r_hf.sampler import sample_from_scores
 from s3r_hf.stats import S3RStats
 from s3r_hf.step_plan import StepPlan
 
@@ -112,6 +113,8 @@ class S3REngine:
             self.committer, self.timer, self.policy, cache, config, self.stats,
             learns_acceptance=mode == "s3r", refreshes_views=mode != "ar",
         )
+        self.first_tokens = FirstTokens(sampling, self.committer, self.views)
+        self.mixed = MixedStep(self.round, self.runner, self.scheduler, self.first_tokens, self.timer)
 
     @staticmethod
     def default_policy(config: S3RConfig, mode: str) -> DraftLengthPolicy:
@@ -138,14 +141,18 @@ class S3REngine:
         with s3r_attention(self.model, packed=True), compiled:
             while self.scheduler.has_work():
                 step = self.scheduler.schedule()
-                if phase != step.kind:
-                    phase_started, phase = self.timer.end_phase(phase, phase_started), step.kind
+                step_phase = "prefill" if step.kind == "prefill" else "decode"  # a mixed step's time is decoding's
+                if phase != step_phase:
+                    phase_started, phase = self.timer.end_phase(phase, phase_started), step_phase
                 if step.kind == "prefill":
                     self._prefill_step(step.requests)
                     self.timer.interrupted()  # the interval around a prefill step is no round's cost
+                elif step.kind == "mixed":
+                    with torch.profiler.record_function("s3r_hf.mixed_step"):
+                        self.mixed.run(step.requests, step.prefilling)
                 else:
                     k = self.round.choose_draft_len(step.requests)
-                    self.scheduler.make_room_for_round(self.round.draft_count)
+                    self.scheduler.make_room_for_round(step.requests, self.round.draft_count)
                     self.round.may_launch_early = not self.timer.stages  # with stage timing every stage stays apart
                     # A profiler marker (tools/profile_engine.py counts the kernels launched after the first one).
                     with torch.profiler.record_function("s3r_hf.decode_round"):
@@ -187,19 +194,7 @@ class S3REngine:
         """Pack prompt chunks (up to `prefill_chunk_size` tokens); finished prompts sample their first token and
         build their first index views."""
         plan, finals, finished, logits = self.runner.prefill_forward(requests)
-        if not finished:
-            return
-        scores = self.sampling.logits_processor([r.row for r in finished], [r.history for r in finished], logits)
-        sampled = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator)
-        logprobs = self.committer.logprobs(scores, sampled)
-        logprobs = logprobs.tolist() if logprobs is not None else None
-        first_tokens = sampled.tolist()
-        for row, request in enumerate(finished):
-            request.committed = request.prompt_len
-            logprob = logprobs[row] if logprobs is not None else None
-            self.committer.commit(request, first_tokens[row], scores, row, logits, row, logprob)
-        self.committer.stopping_step()
-        self.views.refresh(plan, finals, finished, [r.prompt_len for r in finished])
+        self.first_tokens.commit(plan, finals, finished, logits)
 
     # ---------------------------------------------------------------- used by the assisted-decoding generator
     def draft_pass(self, *args, **kwargs) -> None:

@@ -11,6 +11,7 @@ from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.config import S3RConfig
 from s3r_hf.cuda_graphs import DecodeGraphs
 from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase
+from s3r_hf.engine.prompt_chunks import PromptChunks
 from s3r_hf.engine.sampling_setup import SamplingSetup
 from s3r_hf.kernels import get_backend
 from s3r_hf.model_forward import ModelForward
@@ -23,12 +24,14 @@ from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
 
 class Verified(NamedTuple):
     """A verify forward's plan, logits `[N, V]`, block starts (`N` offsets per request, then the end) and
-    processed target scores `[R, k + 1, V]`."""
+    processed target scores `[R, k + 1, V]`. In a mixed step, `prompt_logits` are the logits of the last tokens of
+    the prompts the step's chunks finished; their segments follow the `R` verify blocks in the plan."""
 
     plan: StepPlan
     logits: torch.Tensor
     block_starts: list[int]
     target_scores: torch.Tensor
+    prompt_logits: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -105,50 +108,36 @@ class ModelRunner:
         Returns the plan, the segment index and request of every prompt finished by this step, and the logits
         of those prompts' last tokens.
         """
-        budget = self.config.prefill_chunk_size
-        block = self.config.draft_len + 1
-        pieces, write, positions, cu, scored, history, chunks = [], [], [], [0], [], [], []
-        for request in requests:
-            if budget == 0:
-                break
-            start = request.prefilled
-            end = min(request.prompt_len, start + budget)
-            budget -= end - start
-            self.cache.reserve(request.slot, end)
-            pieces.append(request.prompt_ids[start:end])
-            write += self.cache.flat_indices(request.slot, range(start, end))
-            positions += list(range(start, end))
-            cu.append(cu[-1] + end - start)
-            final = end == request.prompt_len
-            # The final chunk's last `draft_len + 1` queries score the prompt for the first index view.
-            first_scored = max(0, (end - start) - block) if final else -1
-            scored.append(first_scored)
-            history.append(start + first_scored if final else 0)
-            chunks.append((request, start, end, final))
-        tokens = torch.cat(pieces)
-        num_candidates = max(self.config.budget(r.prompt_len) for r, *_ in chunks)
+        chunks = self.prompt_chunks(requests)
         dense = DenseSegments(
             query_index=None,
-            cu_seqlens=self.int32(cu),
-            positions=self.int32(positions),
-            block_tables=self.cache.block_tables([r.slot for r, *_ in chunks]),
-            score_starts=self.int32(scored),
-            history_lens=self.tensor(history),
-            num_candidates=num_candidates,
-            max_query_len=max(end - start for _, start, end, _ in chunks),
-            max_context=max(end for _, _, end, _ in chunks),
-            max_scored_queries=max((end - start - first for (_, start, end, _), first in zip(chunks, scored)
-                                    if first >= 0), default=0),
+            cu_seqlens=self.int32(chunks.cu_seqlens),
+            positions=self.int32(chunks.positions),
+            block_tables=self.cache.block_tables(chunks.slots),
+            score_starts=self.int32(chunks.score_starts),
+            history_lens=self.tensor(chunks.history_lens),
+            num_candidates=chunks.num_candidates,
+            max_query_len=chunks.max_query_len,
+            max_context=chunks.max_context,
+            max_scored_queries=chunks.max_scored_queries,
         )
-        plan = StepPlan(write_index=self.tensor(write), position_ids=dense.positions.long()[None], dense=dense)
-        finals = [i for i, (_, _, _, final) in enumerate(chunks) if final]
-        keep = self.tensor([cu[i + 1] - 1 for i in finals])
-        logits = self.forward(tokens, plan, keep=keep)
-        for request, _, end, _ in chunks:
-            request.prefilled = end
-            self.cache.set_length(request.slot, end)
-        self.stats.prefill_tokens += len(tokens)
-        return plan, finals, [chunks[i][0] for i in finals], logits
+        plan = StepPlan(write_index=self.tensor(chunks.write), position_ids=dense.positions.long()[None], dense=dense)
+        logits = self.forward(chunks.tokens, plan, keep=self.tensor(chunks.last_rows))
+        chunks.done(self.cache)
+        self.stats.prefill_tokens += chunks.num_tokens
+        return plan, chunks.finals, chunks.finished, logits
+
+    def prompt_chunks(self, requests: list[Request], only_if_fits: bool = False) -> PromptChunks | None:
+        """The next prompt chunks of `requests` (`S3RConfig.prefill_chunk_size` tokens at most), their pages
+        reserved. A prefill step must fit (`S3RCache.reserve` raises otherwise); a mixed step (`only_if_fits`) takes
+        the chunks that fit in the pages its round left free, possibly none."""
+        def reserve(request: Request, end: int) -> bool:
+            if only_if_fits:
+                return self.cache.reserve_if_fits([request.slot], [end])
+            self.cache.reserve(request.slot, end)
+            return True
+
+        return PromptChunks.take(requests, self.cache, self.config, reserve)
 
     # ---------------------------------------------------------------- drafts
     def draft(
@@ -253,11 +242,13 @@ class ModelRunner:
         committed: list[int] | None = None,
         pending: torch.Tensor | None = None,
         scored: bool = True,
+        prompts: PromptChunks | None = None,
     ) -> Verified:
         """Dense forward over `[pending, d_1..d_k]` of every request; overwrites the drafts' provisional K/V.
 
         `committed` lengths and `pending` tokens (a device tensor) default to the requests' own. With `scored`
         (and outside engine AR) each layer also leaves the attention scores an index-view refresh selects from.
+        `prompts`: a mixed step; the prompt chunks follow the verify blocks in the same forward (run eagerly).
         """
         scored = scored and self.scores_verify
         committed = committed if committed is not None else [r.committed for r in requests]
@@ -289,7 +280,15 @@ class ModelRunner:
             max_scored_queries=max(draft_counts) + 1 if scored else 0,
         )
         plan = StepPlan(write_index=self.tensor(write), position_ids=dense.positions.long()[None], dense=dense)
-        logits = self.forward(tokens, plan)
+        if prompts is None:
+            logits, prompt_logits = self.forward(tokens, plan), None
+        else:  # logits of the verify rows, then of the finished prompts' last tokens
+            verify_rows = len(write)
+            plan, tokens, keep = self._append_prompts(plan, tokens, [r.slot for r in requests], prompts)
+            logits = self.forward(tokens, plan, keep=keep)
+            logits, prompt_logits = logits[:verify_rows], logits[verify_rows:]
+            prompts.done(self.cache)
+            self.stats.prefill_tokens += prompts.num_tokens
         rows, histories = [], []
         if not self.sampling.logits_processor.history_free:
             histories = [
@@ -299,7 +298,35 @@ class ModelRunner:
         flat_scores = self.sampling.logits_processor(rows, histories, logits)
         width = max(draft_counts) + 1
         if len(block_rows) == width * len(requests):  # every block is full: the rows are already in place
-            return Verified(plan, logits, cu, flat_scores.reshape(len(requests), width, -1))
+            return Verified(plan, logits, cu, flat_scores.reshape(len(requests), width, -1), prompt_logits)
         target_scores = torch.zeros(len(requests), width, flat_scores.shape[-1], device=self.device)
         target_scores[self.tensor(block_rows), self.tensor(block_offsets)] = flat_scores
-        return Verified(plan, logits, cu, target_scores)
+        return Verified(plan, logits, cu, target_scores, prompt_logits)
+
+    def _append_prompts(
+        self, plan: StepPlan, tokens: torch.Tensor, slots: list[int], prompts: PromptChunks
+    ) -> tuple[StepPlan, torch.Tensor, torch.Tensor]:
+        """A mixed step's plan: the verify plan's segments (`slots`), then the prompt chunks as further dense
+        segments. Verify blocks stay scored or unscored as they were (-1 when unscored); a finished prompt's last
+        `draft_len + 1` queries are scored. Returns the plan, the tokens and the rows whose logits are kept (every
+        verify row, then each finished prompt's last token)."""
+        verify, rows = plan.dense, len(tokens)
+        score_starts = verify.score_starts
+        if score_starts is None:
+            score_starts = self.int32([-1] * len(slots))
+        dense = DenseSegments(
+            query_index=None,
+            cu_seqlens=torch.cat([verify.cu_seqlens, verify.cu_seqlens[-1] + self.int32(prompts.cu_seqlens[1:])]),
+            positions=torch.cat([verify.positions, self.int32(prompts.positions)]),
+            block_tables=self.cache.block_tables(slots + prompts.slots),
+            score_starts=torch.cat([score_starts, self.int32(prompts.score_starts)]),
+            history_lens=torch.cat([verify.history_lens, self.tensor(prompts.history_lens)]),
+            num_candidates=max(verify.num_candidates, prompts.num_candidates),
+            max_query_len=max(verify.max_query_len, prompts.max_query_len),
+            max_context=max(verify.max_context, prompts.max_context),
+            max_scored_queries=max(verify.max_scored_queries, prompts.max_scored_queries),
+        )
+        write = torch.cat([plan.write_index, self.tensor(prompts.write)])
+        mixed = StepPlan(write_index=write, position_ids=dense.positions.long()[None], dense=dense)
+        keep = self.tensor(list(range(rows)) + [rows + row for row in prompts.last_rows])
+        return mixed, torch.cat([tokens, prompts.tokens.to(self.device)]), keep

@@ -16,6 +16,7 @@ from s3r_hf.engine.acceptance import Acceptance, draft_count
 from s3r_hf.engine.commit import Committer
 from s3r_hf.engine.early_launch import EarlyLaunches
 from s3r_hf.engine.model_runner import ModelRunner, Verified
+from s3r_hf.engine.prompt_chunks import PromptChunks
 from s3r_hf.engine.round_timing import RoundTimer, round_shape
 from s3r_hf.engine.view_updates import IndexViewUpdates
 from s3r_hf.request import Request
@@ -72,12 +73,13 @@ class SpeculativeRound:
         """Drafts this round: `max_new_tokens` shortens the last block (the round adds drafts + 1 tokens)."""
         return draft_count(request.remaining, self.round_k, self.acceptance.drafts_only)
 
-    def run(self, requests: list[Request], k: int) -> None:
+    def run(self, requests: list[Request], k: int, prompts: PromptChunks | None = None) -> Verified | None:
         """One round of draft length `k` for every running request. `k = 0` is a dense step; if the views went stale
         in dense steps, a `k > 0` round runs as a refresh step first (a scored dense step that rebuilds them) and
-        drafts `k` in the round after it."""
+        drafts `k` in the round after it. In a mixed step the verify forward also runs the `prompts` chunks
+        (`MixedStep`); returns the verify forward."""
         if not requests:
-            return
+            return None
         refresh_step = k > 0 and self.views_stale and self.refreshes_views
         if refresh_step:
             self.next_k, k = k, 0
@@ -92,8 +94,9 @@ class SpeculativeRound:
         max_drafts = max(draft_counts, default=0)
         started = self.timer.stage_done("draft", started)
 
-        # Verify `[pending, d_1..d_k]` densely (scored when the views are refreshed from it).
-        verified = self._verify(requests, draft_counts, draft_tokens, tables, k, refresh)
+        # Verify `[pending, d_1..d_k]` densely (scored when the views are refreshed from it); a mixed step's prompt
+        # chunks run in the same forward.
+        verified = self._verify(requests, draft_counts, draft_tokens, tables, k, refresh, prompts)
         started = self.timer.stage_done("verify", started)
 
         # Accept; the decision is the one device-to-host read, and its copy is queued first.
@@ -115,6 +118,7 @@ class SpeculativeRound:
         # The host reads the decision, rolls the cache back to the accepted prefix and commits.
         self._commit(requests, read_decision().tolist(), draft_counts, max_drafts, k, refresh, logprobs, verified)
         self.timer.stage_done("commit", started)
+        return verified
 
     # ---------------------------------------------------------------- stages
     def _draft(self, requests: list[Request], draft_counts: list[int]):
@@ -127,10 +131,13 @@ class SpeculativeRound:
         draft_tokens, draft_scores = self.runner.draft(requests, draft_counts, tables, self.round_k)
         return draft_counts, tables, draft_tokens, draft_scores
 
-    def _verify(self, requests, draft_counts, draft_tokens, tables, k: int, refresh: bool) -> Verified:
+    def _verify(self, requests, draft_counts, draft_tokens, tables, k: int, refresh: bool, prompts) -> Verified:
+        """A dense step launched early serves unless the step drafts or packs prompt chunks (then it runs again)."""
         verified = self.early.take_dense_step(requests, scored=refresh)
-        if verified is None or k > 0:
-            verified = self.runner.verify(requests, draft_counts, draft_tokens, tables, round_k=k, scored=refresh)
+        if verified is None or k > 0 or prompts is not None:
+            verified = self.runner.verify(
+                requests, draft_counts, draft_tokens, tables, round_k=k, scored=refresh, prompts=prompts
+            )
         return verified
 
     def _update_views(self, requests, verified: Verified, num_accepted, max_drafts: int, k: int, refresh: bool):

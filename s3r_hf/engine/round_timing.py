@@ -77,7 +77,8 @@ class RoundTimer:
         return self.clock()
 
     def interrupted(self) -> None:
-        """A prefill step ran: the interval around it is no round's cost, and the next round follows no round."""
+        """A prefill step or a mixed step ran: the interval around it is no round's cost, and the next round follows
+        no round."""
         self._timed_round = None
         self._previous_k = None
 

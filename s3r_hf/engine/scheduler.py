@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transformers.utils import logging
 
@@ -21,16 +21,19 @@ logger = logging.get_logger(__name__)
 
 @dataclass
 class ScheduledStep:
-    """The next step: `"prefill"` (the next prompt chunks of `requests`) or `"decode"` (a round of every running
-    request; `requests` is the scheduler's running list)."""
+    """The next step: `"prefill"` (the next prompt chunks of `requests`), `"decode"` (a round of every running
+    request; `requests` is the scheduler's running list) or, with `S3RConfig.mixed_steps`, `"mixed"` (a round of the
+    decoding `requests` whose verify forward also runs the next prompt chunks of `prefilling`)."""
 
     kind: str
     requests: list[Request]
+    prefilling: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
-    """Owns the request queues. Restored requests go before new ones; a step either prefills (any running request
-    with prompt left) or decodes (every running request), never both."""
+    """Owns the request queues. Restored requests go before new ones. A step prefills while any running request has
+    prompt left, and decodes when none has; with `S3RConfig.mixed_steps` requests that have finished their prompts
+    decode in the same step as the others prefill (a mixed step)."""
 
     def __init__(self, cache: S3RCache, config: S3RConfig, stats: S3RStats) -> None:
         self.cache = cache
@@ -55,9 +58,12 @@ class Scheduler:
         """Restore and admit what fits, then say what the next step runs."""
         self._restore_and_admit()
         prefilling = [r for r in self.running if r.prefilled < r.prompt_len]
-        if prefilling:
-            return ScheduledStep("prefill", prefilling)
-        return ScheduledStep("decode", self.running)
+        if not prefilling:
+            return ScheduledStep("decode", self.running)
+        decoding = [r for r in self.running if r.prefilled == r.prompt_len]
+        if self.config.mixed_steps and decoding:
+            return ScheduledStep("mixed", decoding, prefilling)
+        return ScheduledStep("prefill", prefilling)
 
     def finish_step(self) -> None:
         """Release the slots of requests that finished, and let the concurrency limit react to the step."""
@@ -120,18 +126,26 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             running.append(request)
 
-    def make_room_for_round(self, draft_count: Callable[[Request], int]) -> None:
-        """Reserve every running request's block (`draft_count(request)` drafts plus one token); pause (offload) the
-        smallest requests until it fits."""
+    def make_room_for_round(self, requests: list[Request], draft_count: Callable[[Request], int]) -> None:
+        """Reserve the block of every request of the round (`draft_count(request)` drafts plus one token); pause
+        (offload) the smallest running requests until it fits. `requests` is the running list, or in a mixed step
+        the decoding requests (then a request still prefilling may be paused too, never the round's last one)."""
         running = self.running
         while True:
-            ends = [r.committed + draft_count(r) + 1 for r in running]  # K/V length at the round's end
-            if self.cache.reserve_if_fits([r.slot for r in running], ends):
+            ends = [r.committed + draft_count(r) + 1 for r in requests]  # K/V length at the round's end
+            if self.cache.reserve_if_fits([r.slot for r in requests], ends):
                 break
-            if len(running) == 1:
+            # Pausing a request that holds no pages (admitted, not prefilled yet) would free nothing.
+            candidates = [
+                r for r in running
+                if self.cache.pages_held(r.slot) > 0 and not (len(requests) == 1 and r is requests[0])
+            ]
+            if not candidates:
                 raise KVCapacityError("KV capacity too small for one request's next round")
-            victim = min(running, key=lambda r: r.kv_tokens)
+            victim = min(candidates, key=lambda r: r.kv_tokens)
             running.remove(victim)
+            if requests is not running:
+                requests[:] = [r for r in requests if r is not victim]
             self.stats.pages_offloaded += self.cache.pages_held(victim.slot)
             self.stats.offload_episodes += 1
             victim.offloaded = self.cache.offload(victim.slot)
