@@ -27,7 +27,7 @@ from s3r_hf.stopping import BatchStopping
 from s3r_hf.validation import (
     check_model_supported,
     check_prompt_lengths,
-    context_window,
+    check_room_in_context_window,
     prompt_rows,
 )
 
@@ -108,18 +108,13 @@ def generate(
 
     padded_len = input_ids.shape[1]
     max_new = generation_config.max_length - padded_len
-    window = context_window(model)
+    check_room_in_context_window(model, prompts, max_new)
     requests = []
     for row, prompt in enumerate(prompts):
-        limit = max_new if window is None else min(max_new, window - prompt.shape[0])
-        if limit < max_new:
-            logger.warning_once(
-                f"row {row}: generation is capped at {limit} tokens by the context window ({window} tokens)"
-            )
-        tokens = torch.empty(padded_len + max(limit, 0) + config.draft_len + 1, dtype=torch.long)
+        tokens = torch.empty(padded_len + max(max_new, 0) + config.draft_len + 1, dtype=torch.long)
         tokens[:padded_len] = input_ids[row].cpu()
         requests.append(
-            Request(row=row, prompt_ids=prompt.cpu(), tokens=tokens, length=padded_len, max_new_tokens=limit)
+            Request(row=row, prompt_ids=prompt.cpu(), tokens=tokens, length=padded_len, max_new_tokens=max_new)
         )
     # Criteria and streamer are fed whole-batch steps as dense generate feeds them (EOS and max length: the engine).
     stopping = BatchStopping(

@@ -32,7 +32,7 @@ class Request:
     prompt_ids: torch.Tensor  # real prompt tokens, no padding
     tokens: torch.Tensor  # buffer: padded prompt row, then generated tokens
     length: int  # valid entries of `tokens`
-    max_new_tokens: int  # this row's limit (max_length and the context window)
+    max_new_tokens: int  # this row's limit (`max_length` less the padded prompt)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     prefilled: int = 0  # prompt tokens whose K/V are in the cache

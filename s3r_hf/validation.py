@@ -197,6 +197,23 @@ def check_logits_processors(processors) -> None:
                 )
 
 
+def check_room_in_context_window(model: PreTrainedModel, prompts: list[torch.Tensor], max_new_tokens: int) -> None:
+    """Refuse a call whose longest prompt plus `max_new_tokens` goes past the model's context window. Dense `generate`
+    would go on at positions the model was never trained on; S3R would have to stop the row early instead, a
+    different result. Either way the call asks for more than the model holds, so it is an error, with the numbers."""
+    window = context_window(model)
+    if window is None or not prompts:
+        return
+    row = max(range(len(prompts)), key=lambda r: prompts[r].shape[0])
+    longest = prompts[row].shape[0]
+    if longest + max_new_tokens > window:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} after the {longest}-token prompt of row {row} goes past the model's "
+            f"context window of {window} tokens (max_position_embeddings); ask for at most {window - longest} new "
+            "tokens, or shorten the prompt"
+        )
+
+
 def check_prompt_lengths(model: PreTrainedModel, prompts: list[torch.Tensor]) -> None:
     window = context_window(model)
     if window is None:

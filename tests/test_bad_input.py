@@ -81,6 +81,18 @@ def test_prompt_beyond_context_window():
         model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, s3r_config=S3RConfig())
 
 
+def test_max_new_tokens_past_the_context_window():
+    """Dense generate would run on past the window; S3R would have had to stop early: a clear error instead."""
+    model = s3r_hf.enable(tiny_model(max_position_embeddings=32))
+    input_ids, attention_mask = left_padded_batch([8, 20])
+    with pytest.raises(ValueError, match=r"max_new_tokens=13 after the 20-token prompt of row 1 .* window of 32 .* "
+                                         r"at most 12 new tokens"):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=13, s3r_config=S3RConfig())
+    out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False,
+                         s3r_config=S3RConfig(min_budget=2, page_size=4))
+    assert out.shape[1] == 20 + 12
+
+
 def test_empty_prompts():
     model = s3r_hf.enable(tiny_model())
     input_ids, attention_mask = left_padded_batch([6, 4])
