@@ -49,6 +49,7 @@ from s3r_hf.demo import build_batch, eos_token_ids, generated_lengths, output_se
 from s3r_hf.errors import UsageError, require
 from s3r_hf.generate import enable
 from s3r_hf.runtime_state import adaptive_policy
+from s3r_hf.validation import context_window
 
 logger = logging.get_logger(__name__)
 
@@ -271,9 +272,16 @@ def run_point(
     batch = rollout_batch(model, tokenizer, problems, settings["prompts"], settings["generations"], seq)
     prompt_tokens = batch["attention_mask"].sum(dim=1)
     eos_ids = eos_token_ids(model, tokenizer) if tokenizer is not None else set()
+    max_new_tokens = settings["max_new_tokens"]
+    window = context_window(model)
+    if window is not None and int(prompt_tokens.max()) + max_new_tokens > window:
+        # Every mode would refuse (or, dense, run past the window): the point asks for what the model holds.
+        max_new_tokens = window - int(prompt_tokens.max())
+        console.print(f"max_new_tokens lowered to {max_new_tokens} for this point: the longest prompt has "
+                      f"{int(prompt_tokens.max())} tokens and the model's context window {window}", highlight=False)
     common: dict[str, Any] = {
         "do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
-        "max_new_tokens": settings["max_new_tokens"], "return_dict_in_generate": True,
+        "max_new_tokens": max_new_tokens, "return_dict_in_generate": True,
     }
     if tokenizer is None:  # random weights: no EOS, every response runs to max_new_tokens
         common.update(pad_token_id=0, eos_token_id=None)
@@ -282,7 +290,7 @@ def run_point(
     forced = settings["acceptance"] if tokenizer is None else None
     point: dict[str, Any] = {
         "model": name, "prompts": settings["prompts"], "generations": settings["generations"],
-        "batch": int(batch["input_ids"].shape[0]), "max_new_tokens": settings["max_new_tokens"],
+        "batch": int(batch["input_ids"].shape[0]), "max_new_tokens": max_new_tokens,
         "prompt_tokens": {"min": int(prompt_tokens.min()), "mean": float(prompt_tokens.float().mean()),
                           "max": int(prompt_tokens.max())},
         "acceptance_forced": forced, "modes": {},

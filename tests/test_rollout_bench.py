@@ -117,3 +117,22 @@ def test_bad_flags_are_one_line_usage_errors(flags, message, capsys):
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and message in error
+
+
+def test_a_point_past_the_context_window_lowers_max_new_tokens():
+    """S3R refuses calls past the context window; the benchmark asks for what the model holds and says so."""
+    from rich.console import Console
+
+    from s3r_hf import S3RConfig, enable
+    from s3r_hf.rollout_bench import run_point
+    from tests.conftest import tiny_model
+
+    model = enable(tiny_model(max_position_embeddings=48))
+    settings = {"prompts": 2, "generations": 2, "max_new_tokens": 64, "calls": 1, "modes": ["ar", "s3r-adaptive"],
+                "acceptance": 0.9, "s3r_config": S3RConfig(min_budget=4, page_size=4, draft_len=3), "stages": False,
+                "seed": 0}
+    console = Console(record=True, width=140)
+    point = run_point(model, None, "tiny", [], 16, settings, console)
+    assert point["max_new_tokens"] == 48 - 16
+    assert "max_new_tokens lowered to 32" in console.export_text()
+    assert all("error" not in mode and mode["calls"] for mode in point["modes"].values())
