@@ -42,8 +42,10 @@ class S3RStats:
     committed: int = 0
     prefill_tokens: int = 0
     offload_episodes: int = 0  # requests paused (KV moved to host memory) under KV pressure
-    pages_offloaded: int = 0
+    pages_offloaded: int = 0  # KV pages copied to host memory by those pauses
+    pages_restored: int = 0  # and copied back when the requests resumed
     peak_kv_pages: int = 0
+    peak_host_kv_pages: int = 0  # most KV pages held in host memory at once by paused requests
     # The AIMD concurrency limit: `(engine step, limit)` where it changed, the starting limit at step 0 first; and how
     # many steps lowered it (KV pressure or a restore backlog).
     concurrency_trace: list[tuple[int, int]] = field(default_factory=list)
@@ -157,6 +159,11 @@ class S3RStats:
         """τ: committed tokens per request-round, dense steps included (after the cut at EOS or `max_new_tokens`)."""
         return self.committed / self.request_rounds if self.request_rounds else 0.0
 
+    @property
+    def pages_moved_per_1k_tokens(self) -> float:
+        """KV pages offloaded and restored per 1,000 committed tokens (the paper's Table 2 measure of paging cost)."""
+        return (self.pages_offloaded + self.pages_restored) * 1000 / self.committed if self.committed else 0.0
+
     # The former names of `decode_steps` and `request_rounds`, kept working.
     @property
     def steps(self) -> int:
@@ -192,7 +199,10 @@ class S3RStats:
             "prefill_tokens": self.prefill_tokens,
             "offload_episodes": self.offload_episodes,
             "pages_offloaded": self.pages_offloaded,
+            "pages_restored": self.pages_restored,
+            "pages_moved_per_1k_tokens": self.pages_moved_per_1k_tokens,
             "peak_kv_pages": self.peak_kv_pages,
+            "peak_host_kv_pages": self.peak_host_kv_pages,
             "concurrency_trace": [list(entry) for entry in self.concurrency_trace],
             "concurrency_backoffs": self.concurrency_backoffs,
             "concurrency_limit_min": self.concurrency_limit_min,

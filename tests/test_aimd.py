@@ -126,7 +126,11 @@ def test_greedy_output_equals_dense_while_the_limit_moves(adaptive):
     dense = model.generate(input_ids, **kwargs)
     assert torch.equal(out.sequences, dense)  # no request lost, cut short or changed
     _assert_the_limit_moved(out.s3r_stats)
-    assert out.s3r_stats.offload_episodes > 0 and out.s3r_stats.peak_kv_pages <= MOVING["num_pages"]
+    stats = out.s3r_stats
+    assert stats.offload_episodes > 0 and stats.peak_kv_pages <= MOVING["num_pages"]
+    # Every paused request came back: what went to host memory returned, and was there at some point.
+    assert stats.pages_restored == stats.pages_offloaded > 0 and stats.peak_host_kv_pages > 0
+    assert stats.pages_moved_per_1k_tokens == pytest.approx(2000 * stats.pages_offloaded / stats.committed)
 
 
 def test_sampled_output_follows_the_dense_distribution_while_the_limit_moves():

@@ -108,6 +108,7 @@ class Scheduler:
             if self.cache.free_pages - promised < self.pages_needed(request):
                 break
             paused.popleft()
+            self.stats.pages_restored += request.offloaded.num_pages
             self.cache.restore(request.slot, request.offloaded)
             request.offloaded = None
             request.status = RequestStatus.RUNNING
@@ -146,10 +147,12 @@ class Scheduler:
             running.remove(victim)
             if requests is not running:
                 requests[:] = [r for r in requests if r is not victim]
-            self.stats.pages_offloaded += self.cache.pages_held(victim.slot)
             self.stats.offload_episodes += 1
             victim.offloaded = self.cache.offload(victim.slot)
+            self.stats.pages_offloaded += victim.offloaded.num_pages  # what moved: its valid length's pages
             victim.status = RequestStatus.PAUSED
             self.paused.append(victim)
+            host_pages = sum(r.offloaded.num_pages for r in self.paused)
+            self.stats.peak_host_kv_pages = max(self.stats.peak_host_kv_pages, host_pages)
             logger.info("paused request %d (%d KV tokens) under KV pressure", victim.row, victim.kv_tokens)
         self.stats.peak_kv_pages = max(self.stats.peak_kv_pages, self.cache.used_pages)
