@@ -52,6 +52,7 @@ def main() -> None:
     if rank == 0:
         assert completions[0] != completions[1], "both ranks sampled the same completions from one seed"
     print(f"S3R-FSDP2 rank={rank} ok", flush=True)
+    dist.barrier()  # neither rank tears the group down while the other still uses it
     dist.destroy_process_group()
 
 
