@@ -17,6 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from s3r_hf.cache.s3r_cache import S3RCache, take_plain_handoff
+from s3r_hf.cache.score_recorder import VerifyScoreRecorder
 from s3r_hf.kernels import get_backend
 from s3r_hf.model_session import attention_override, hold
 from s3r_hf.step_plan import StepPlan
@@ -96,19 +97,22 @@ def _plain_attention(module, query, key, value, attention_mask, dropout, scaling
     kwargs.pop("s3r_cache", None)
     output = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                     **kwargs)
-    if cache is not None and cache.score_recording:
+    recorder = cache.score_recorder if cache is not None else None
+    if recorder is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        cache.recorded_candidates[module.layer_idx] = _plain_verify_candidates(query, key, scale, cache)
+        recorder.candidates[module.layer_idx] = _plain_verify_candidates(query, key, scale, recorder)
     return output
 
 
-def _plain_verify_candidates(query: torch.Tensor, key: torch.Tensor, scale: float, cache: S3RCache) -> torch.Tensor:
+def _plain_verify_candidates(
+    query: torch.Tensor, key: torch.Tensor, scale: float, recorder: VerifyScoreRecorder
+) -> torch.Tensor:
     """Top-K history positions by mean softmax weight of the block's last queries (batch 1) over the full keys.
 
-    The last `cache.plain_score_queries` queries are the verified block; everything before them is history.
+    The last `recorder.block_queries` queries are the verified block; everything before them is history.
     """
     backend = get_backend(query.device)
-    num_queries = min(query.shape[2], cache.plain_score_queries)
+    num_queries = min(query.shape[2], recorder.block_queries)
     context = key.shape[2]
     group = query.shape[1] // key.shape[1]
     keys = key[0].repeat_interleave(group, dim=0).float()  # [Hq, L, D]
@@ -117,9 +121,9 @@ def _plain_verify_candidates(query: torch.Tensor, key: torch.Tensor, scale: floa
     future = torch.arange(context, device=query.device)[None, :] > query_pos[:, None]
     probs = torch.softmax(logits.masked_fill(future[None], float("-inf")), dim=-1)
     scores = probs.reshape(key.shape[1], group * num_queries, context).mean(dim=1)[None]
-    cache.recorded_history_len = context - num_queries
+    recorder.history_len = context - num_queries
     history = torch.tensor([context - num_queries], device=query.device)
-    return backend.select_topk_candidates(scores, history, cache.plain_num_candidates)
+    return backend.select_topk_candidates(scores, history, recorder.num_candidates)
 
 
 def register() -> None:

@@ -13,6 +13,7 @@ from transformers.generation.utils import GenerationMixin
 
 from s3r_hf.attention import s3r_attention
 from s3r_hf.cache.s3r_cache import S3RCache
+from s3r_hf.cache.score_recorder import VerifyScoreRecorder
 from s3r_hf.config import S3RConfig
 from s3r_hf.engine import S3REngine, SamplingSetup
 from s3r_hf.generate_kwargs import check_generate_call
@@ -69,8 +70,8 @@ class SparseSelfDraftCandidateGenerator(CandidateGenerator):
             generator=generator,
         )
         self.engine = S3REngine(model, s3r_config, sampling, cache)
-        self.cache.score_recording = True
-        self.cache.plain_score_queries = s3r_config.draft_len + 1
+        self.recorder = VerifyScoreRecorder(block_queries=s3r_config.draft_len + 1)
+        self.cache.score_recorder = self.recorder
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Draft up to `draft_len` tokens after `input_ids` (`[1, L]`); the cache holds K/V of all but the last."""
@@ -97,21 +98,20 @@ class SparseSelfDraftCandidateGenerator(CandidateGenerator):
         # call the target forward also recomputes the prompt (transformers' loop prefills it), so the cache goes
         # back to the length it had on entry.
         self.cache.set_length(_SLOT, entry_length)
-        self.cache.plain_num_candidates = self.config.budget(length + draft_len)
+        self.recorder.num_candidates = self.config.budget(length + draft_len)
         candidates = torch.cat([input_ids, draft_tokens.to(input_ids.device)], dim=1)
         return candidates, draft_scores.to(input_ids.device)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         """Refresh the index views from the verify scores the target forward just recorded."""
         context = self.cache.lengths[_SLOT]
-        history = min(self.cache.recorded_history_len, context)
+        history = min(self.recorder.history_len, context)
         slots = torch.tensor([_SLOT], device=self.cache.device)
         as_tensor = lambda value: torch.tensor([value], device=self.cache.device)  # noqa: E731
-        for layer, candidates in self.cache.recorded_candidates.items():
+        for layer, candidates in self.recorder.take().items():
             self.cache.index_views.build(
                 layer, slots, candidates, as_tensor(history), as_tensor(context), as_tensor(self.config.budget(context))
             )
-        self.cache.recorded_candidates.clear()
 
     def _request(self, input_ids: torch.LongTensor, draft_len: int) -> Request:
         """The sequence as an engine request: committed K/V for all but the last token, which is pending."""

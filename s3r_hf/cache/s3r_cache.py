@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from s3r_hf.cache.index_view import SparseIndexViews
 from s3r_hf.cache.page_allocator import KVCapacityError, PageAllocator
+from s3r_hf.cache.score_recorder import VerifyScoreRecorder
 from s3r_hf.kernels import get_backend
 from s3r_hf.staging import to_device
 
@@ -157,11 +158,8 @@ class S3RCache(Cache):
         self.padding_slot = max_requests
         self.index_views = SparseIndexViews(self.num_layers, self.num_kv_heads, max_requests + 1, self.device)
         self.step = None  # the StepPlan of the forward in flight, if any
-        self.score_recording = False  # plain mode: record verify scores for the index-view refresh
-        self.recorded_candidates: dict[int, torch.Tensor] = {}
-        self.recorded_history_len = 0
-        self.plain_num_candidates = 0  # top-K candidates to keep per layer in plain mode
-        self.plain_score_queries = 1  # trailing queries of a plain forward that form the verified block
+        # Plain mode under transformers' assisted decoding: where the verify forward leaves its top-K positions.
+        self.score_recorder: VerifyScoreRecorder | None = None
 
     # ---------------------------------------------------------------- slots and pages
     @property
@@ -358,7 +356,8 @@ class S3RCache(Cache):
     def reset(self) -> None:
         for slot in list(self.lengths):
             self.release(slot)
-        self.recorded_candidates.clear()
+        if self.score_recorder is not None:
+            self.score_recorder.take()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("S3RCache does not support beam search")
