@@ -25,9 +25,8 @@ from s3r_hf.runtime_state import ModelRuntime, adaptive_policy, runtime_for
 from s3r_hf.stats import S3RStats
 from s3r_hf.stopping import BatchStopping
 from s3r_hf.validation import (
+    check_context_window,
     check_model_supported,
-    check_prompt_lengths,
-    check_room_in_context_window,
     prompt_rows,
 )
 
@@ -89,7 +88,9 @@ def generate(
 
     attention_mask = model_kwargs.get("attention_mask")
     prompts = prompt_rows(input_ids, attention_mask)
-    check_prompt_lengths(model, prompts)
+    padded_len = input_ids.shape[1]
+    max_new = generation_config.max_length - padded_len
+    check_context_window(model, prompts, max_new)
 
     device = model.device
     greedy = not generation_config.do_sample
@@ -106,9 +107,6 @@ def generate(
     )
     output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
 
-    padded_len = input_ids.shape[1]
-    max_new = generation_config.max_length - padded_len
-    check_room_in_context_window(model, prompts, max_new)
     requests = []
     for row, prompt in enumerate(prompts):
         tokens = torch.empty(padded_len + max(max_new, 0) + config.draft_len + 1, dtype=torch.long)
@@ -168,7 +166,7 @@ def _kv_pool(
     runtime.drop_device_state()
     cache = S3RCache(
         model.config,
-        num_pages=config.num_pages or _default_num_pages(requests, config, model, device),
+        num_pages=config.num_pages or _default_num_pages(peaks, config, model, device),
         page_size=config.page_size,
         max_requests=len(requests),
         dtype=model.dtype,
@@ -178,10 +176,9 @@ def _kv_pool(
     return cache
 
 
-def _default_num_pages(requests: list[Request], config: S3RConfig, model: PreTrainedModel, device: torch.device) -> int:
-    """The pool when `num_pages` is not set: every request at full length, capped on CUDA by
-    `kv_memory_fraction` of the free device memory (the scheduler then runs what fits and the rest waits)."""
-    peaks = [-(-r.peak_kv_tokens(config.draft_len) // config.page_size) for r in requests]
+def _default_num_pages(peaks: list[int], config: S3RConfig, model: PreTrainedModel, device: torch.device) -> int:
+    """The pool when `num_pages` is not set: every request at full length (`peaks`: each one's pages), capped on
+    CUDA by `kv_memory_fraction` of the free device memory (the scheduler then runs what fits and the rest waits)."""
     wanted = max(1, sum(peaks))
     free = _free_device_memory(device)
     if free is None:

@@ -197,13 +197,20 @@ def check_logits_processors(processors) -> None:
                 )
 
 
-def check_room_in_context_window(model: PreTrainedModel, prompts: list[torch.Tensor], max_new_tokens: int) -> None:
-    """Refuse a call whose longest prompt plus `max_new_tokens` goes past the model's context window. Dense `generate`
-    would go on at positions the model was never trained on; S3R would have to stop the row early instead, a
-    different result. Either way the call asks for more than the model holds, so it is an error, with the numbers."""
+def check_context_window(model: PreTrainedModel, prompts: list[torch.Tensor], max_new_tokens: int) -> None:
+    """Refuse prompts that fill the model's context window, and a call whose longest prompt plus `max_new_tokens`
+    goes past it. Dense `generate` would go on at positions the model was never trained on; S3R would have to stop
+    the row early instead, a different result. Either way the call asks for more than the model holds, so it is an
+    error, with the numbers."""
     window = context_window(model)
     if window is None or not prompts:
         return
+    for row, prompt in enumerate(prompts):
+        if prompt.shape[0] >= window:
+            raise ValueError(
+                f"prompt {row} has {prompt.shape[0]} tokens, which leaves no room in the model's context window "
+                f"of {window} tokens (max_position_embeddings)"
+            )
     row = max(range(len(prompts)), key=lambda r: prompts[r].shape[0])
     longest = prompts[row].shape[0]
     if longest + max_new_tokens > window:
@@ -212,15 +219,3 @@ def check_room_in_context_window(model: PreTrainedModel, prompts: list[torch.Ten
             f"context window of {window} tokens (max_position_embeddings); ask for at most {window - longest} new "
             "tokens, or shorten the prompt"
         )
-
-
-def check_prompt_lengths(model: PreTrainedModel, prompts: list[torch.Tensor]) -> None:
-    window = context_window(model)
-    if window is None:
-        return
-    for row, prompt in enumerate(prompts):
-        if prompt.shape[0] >= window:
-            raise ValueError(
-                f"prompt {row} has {prompt.shape[0]} tokens, which leaves no room in the model's context window "
-                f"of {window} tokens (max_position_embeddings)"
-            )
