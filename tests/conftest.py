@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Triton kernels run on CPU tensors through Triton's interpreter where there is no GPU (CI). The variable must be
 # set before anything imports Triton (torch and transformers may), hence before the imports below.
@@ -82,6 +83,15 @@ def word_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
     config = {**TINY, "vocab_size": len(WORDS), "max_position_embeddings": 128, "eos_token_id": WORDS.index("<eos>"),
               "bos_token_id": None, "pad_token_id": None}
     return LlamaForCausalLM(LlamaConfig(**{**config, **overrides})).eval()
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path: Path) -> Path:
+    """A saved `word_model` with its `tiny_tokenizer`: a local model directory as `--model` takes it."""
+    directory = tmp_path / "tiny-llama"
+    word_model().save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
 
 
 @pytest.fixture(params=["qwen3", "llama"])

@@ -16,17 +16,9 @@ import torch
 import s3r_hf.models as s3r_models
 from s3r_hf.cli import dense_drafting_note, main
 from s3r_hf.errors import MissingDependencyError, require
-from tests.conftest import tiny_model, tiny_tokenizer, word_model
+from tests.conftest import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def tiny_checkpoint(tmp_path: Path) -> Path:
-    directory = tmp_path / "tiny-llama"
-    word_model().save_pretrained(directory)
-    tiny_tokenizer().save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture

@@ -30,14 +30,6 @@ def make_model() -> LlamaForCausalLM:
 
 
 @pytest.fixture
-def tiny_checkpoint(tmp_path: Path) -> Path:
-    directory = tmp_path / "tiny-llama"
-    make_model().save_pretrained(directory)
-    make_tokenizer().save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture
 def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "cache"
     monkeypatch.setenv(s3r_models.CACHE_ENV, str(root))
