@@ -88,6 +88,7 @@ class _BucketCosts:
     """Recent round times of one (batch, context) bucket, per draft length, and when to probe next."""
 
     seconds: dict[int, deque] = field(default_factory=dict)
+    medians: dict[int, float] = field(default_factory=dict)  # `estimate` of each k, kept current by `add`
     last_seen: dict[int, int] = field(default_factory=dict)  # round counter of each k's latest sample
     rounds: int = 0
     choice: int | None = None  # the best k when last chosen
@@ -96,13 +97,15 @@ class _BucketCosts:
     probe_k: int = 0  # the length being probed, while `probe_left` rounds of the probe remain
     probe_left: int = 0
 
+    def add(self, k: int, seconds: float, samples: int) -> None:
+        kept = self.seconds.setdefault(k, deque(maxlen=samples))
+        kept.append(seconds)
+        # The lower median of the recent samples: a capture or a recompilation that slipped into one sample does
+        # not move it. Kept here rather than sorted on every choice (a choice is made every round).
+        self.medians[k] = sorted(kept)[(len(kept) - 1) // 2]
+
     def estimate(self, k: int) -> float | None:
-        """The lower median of the recent samples: a capture or a recompilation that slipped into one sample does
-        not move it."""
-        samples = self.seconds.get(k)
-        if not samples:
-            return None
-        return sorted(samples)[(len(samples) - 1) // 2]
+        return self.medians.get(k)
 
 
 class AdaptiveDraftLength:
@@ -118,6 +121,10 @@ class AdaptiveDraftLength:
         lengths: the draft lengths it may choose (default: all of `0..max_draft_len`).
         probe_rounds: consecutive rounds a probe runs (the engine times all but the first).
         switch_margin: how much more tokens per second drafting must promise to replace dense decoding.
+
+    A choice is made before every round, so it must cost little next to a dense step of a small model: the medians,
+    the expected tokens and each bucket's neighbours by distance are kept up to date as observations arrive instead
+    of being recomputed per choice.
     """
 
     def __init__(
@@ -150,6 +157,8 @@ class AdaptiveDraftLength:
         self.reached = [0.0] * max_draft_len  # drafts at position j the acceptance test looked at
         self.accepted = [0.0] * max_draft_len
         self.buckets: dict[tuple[int, int], _BucketCosts] = {}
+        self._nearest_buckets: dict[tuple[int, int], list[_BucketCosts]] = {}  # emptied when a bucket is added
+        self._expected: dict[int, float] = {}  # `expected_tokens`, emptied when acceptance is observed
         self.choices: dict[int, int] = {}  # how often each k was chosen (reported by the engine's stats)
 
     # ---------------------------------------------------------------- acceptance
@@ -158,6 +167,7 @@ class AdaptiveDraftLength:
         reached positions `1..min(accepted + 1, drafted)` and passed `1..accepted`."""
         if max(draft_counts, default=0) == 0:
             return
+        self._expected.clear()
         self.reached = [count * self.acceptance_decay for count in self.reached]
         self.accepted = [count * self.acceptance_decay for count in self.accepted]
         for drafted, accepted in zip(draft_counts, accepted_counts):
@@ -173,16 +183,19 @@ class AdaptiveDraftLength:
 
     def expected_tokens(self, k: int) -> float:
         """`E[τ(k)]`: tokens a round drafting `k` commits per request (the correction or bonus token included)."""
-        total, survive = 1.0, 1.0
-        for alpha in self.acceptance()[:k]:
-            survive *= alpha
-            total += survive
+        total = self._expected.get(k)
+        if total is None:
+            total, survive = 1.0, 1.0
+            for alpha in self.acceptance()[:k]:
+                survive *= alpha
+                total += survive
+            self._expected[k] = total
         return total
 
     # ---------------------------------------------------------------- costs
     def observe_cost(self, shape: RoundShape, draft_len: int, seconds: float) -> None:
         bucket = self._bucket(shape.bucket)
-        bucket.seconds.setdefault(draft_len, deque(maxlen=self.samples)).append(seconds)
+        bucket.add(draft_len, seconds, self.samples)
         bucket.last_seen[draft_len] = bucket.rounds
 
     def cost_ratio(self, key: tuple[int, int], k: int, nearest: list[_BucketCosts] | None = None) -> float | None:
@@ -196,8 +209,11 @@ class AdaptiveDraftLength:
 
     def _nearest(self, key: tuple[int, int]) -> list[_BucketCosts]:
         """The buckets by distance from `key` (`key` itself first, if it exists)."""
-        order = sorted(self.buckets, key=lambda b: abs(b[0] - key[0]) + abs(b[1] - key[1]))
-        return [self.buckets[b] for b in order]
+        nearest = self._nearest_buckets.get(key)
+        if nearest is None:
+            order = sorted(self.buckets, key=lambda b: abs(b[0] - key[0]) + abs(b[1] - key[1]))
+            nearest = self._nearest_buckets[key] = [self.buckets[b] for b in order]
+        return nearest
 
     def _bucket_ratio(self, bucket: _BucketCosts, k: int) -> float | None:
         """`cost(k) / cost(0)` in one bucket: measured, or linear in `k` between the nearest measured lengths (a
@@ -207,8 +223,7 @@ class AdaptiveDraftLength:
             return None
         if k == 0:
             return 1.0
-        estimates = {j: bucket.estimate(j) for j in bucket.seconds}
-        measured = {j: seconds for j, seconds in estimates.items() if seconds is not None}
+        measured = bucket.medians
         if k in measured:
             return measured[k] / dense
         below = max((j for j in measured if j < k), default=None)
@@ -229,6 +244,10 @@ class AdaptiveDraftLength:
         step and launches that a run of dense steps overlaps, and a few measured rounds are noisy. Near break-even,
         where drafting gains nothing worth having, the rule stays with dense decoding instead of paying for switches.
         """
+        return self._best(key, current)[0]
+
+    def _best(self, key: tuple[int, int], current: int | None) -> tuple[int | None, dict[int, float]]:
+        """`best`, and the expected tokens per unit of a dense step's time of every length with an estimate."""
         values = {}
         nearest = self._nearest(key)
         for k in self.lengths:
@@ -236,11 +255,11 @@ class AdaptiveDraftLength:
             if ratio is not None:
                 values[k] = self.expected_tokens(k) / ratio
         if len(values) < 2:
-            return None
+            return None, values
         best = max(values, key=lambda k: (values[k], -k))
         if best > 0 and not current and 0 in values and values[best] < (1 + self.switch_margin) * values[0]:
-            return 0
-        return best
+            return 0, values
+        return best, values
 
     def report(self) -> list[dict]:
         """What the rule measured, per bucket (benchmarks print it): rows and context bucket (lower bounds), rounds
@@ -259,7 +278,7 @@ class AdaptiveDraftLength:
         key = shape.bucket
         bucket = self._bucket(key)
         bucket.rounds += 1
-        best = self.best(key, bucket.choice)
+        best, values = self._best(key, bucket.choice)
         if bucket.probe_left > 0:  # a probe in progress
             bucket.probe_left -= 1
             k = bucket.probe_k
@@ -269,19 +288,23 @@ class AdaptiveDraftLength:
             if best != bucket.choice:  # the evidence moved: look again soon
                 bucket.choice, bucket.probe_gap = best, 0
                 bucket.next_probe = min(bucket.next_probe, bucket.rounds + self.min_probe_gap)
-            k = self._probe(bucket, best) if bucket.rounds >= bucket.next_probe else best
+            k = self._probe(bucket, best, values) if bucket.rounds >= bucket.next_probe else best
         self.choices[k] = self.choices.get(k, 0) + 1
         return k
 
-    def _probe(self, bucket: _BucketCosts, best: int) -> int:
+    def _probe(self, bucket: _BucketCosts, best: int, values: dict[int, float]) -> int:
         """The length next to the choice or at either end that this bucket measured longest ago (the ends first,
-        which tell most about whether drafting pays at all), for the next `probe_rounds` rounds; the gap to the next
-        probe doubles while the probes keep confirming `best`."""
+        which tell most about whether drafting pays at all), for the next `probe_rounds` rounds.
+
+        The gap to the next probe doubles while the probes keep confirming `best`, and quadruples when the length
+        probed now was last estimated well behind it (by twice `switch_margin`): a probe of a length that loses
+        clearly costs its lost time and a switch each way, for little chance of changing the choice."""
         ends = (0, self.max_draft_len)
         candidates = [k for k in {*ends, best - 1, best + 1} - {best} if k in self.lengths]
         k = min(candidates, key=lambda j: (bucket.last_seen.get(j, -1), j not in ends, j))
         bucket.probe_k, bucket.probe_left = k, self.probe_rounds - 1
-        bucket.probe_gap = min(self.max_probe_gap, max(self.min_probe_gap, 2 * bucket.probe_gap))
+        behind = k in values and values[k] * (1 + 2 * self.switch_margin) < values[best]
+        bucket.probe_gap = min(self.max_probe_gap, max(self.min_probe_gap, (4 if behind else 2) * bucket.probe_gap))
         bucket.next_probe = bucket.rounds + bucket.probe_gap
         return k
 
@@ -294,6 +317,7 @@ class AdaptiveDraftLength:
             if self.buckets:
                 gap = max(gap, self._nearest(key)[0].probe_gap)
             bucket = self.buckets[key] = _BucketCosts(probe_gap=gap, next_probe=gap)
+            self._nearest_buckets.clear()
         return bucket
 
 

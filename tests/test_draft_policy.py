@@ -123,3 +123,44 @@ def test_drafting_that_barely_pays_does_not_replace_dense_decoding():
     assert choices[-200:].count(6) >= 190
     report = clearly.report()
     assert report and report[0]["choice"] == 6 and set(report[0]["seconds"]) == {0, 6}
+
+
+def _probe_starts(choices: list[int]) -> int:
+    return sum(1 for before, now in zip(choices, choices[1:]) if before == 0 and now > 0)
+
+
+def test_probes_of_a_clearly_losing_length_back_off_faster():
+    """A probe of drafting that loses by far costs time for little chance of changing the choice: the gap to the
+    next probe grows fourfold, against twofold where drafting stays near break-even."""
+    from s3r_hf.draft_policy import adaptive_for
+
+    alpha = 0.8
+    tokens = 1 + sum(alpha**i for i in range(1, 7))
+    clearly = _drive(adaptive_for(6), lambda k: 1.0 + 1.0 * k, alpha=alpha, rounds=3000)
+    near = _drive(adaptive_for(6), lambda k: tokens / 0.95 if k else 1.0, alpha=alpha, rounds=3000)
+    assert clearly[-500:].count(0) >= 490 and near[-500:].count(0) >= 490
+    assert _probe_starts(clearly) <= 8 < _probe_starts(near)
+
+
+def test_choices_follow_new_observations():
+    """The medians, expected tokens and neighbour lists are cached; each observation must still reach the choice."""
+    policy = AdaptiveDraftLength(6, lengths=(0, 6))
+    for _ in range(3):
+        policy.observe_cost(SHAPE, 0, 1.0)
+        policy.observe_cost(SHAPE, 6, 2.0)
+    policy.observe_acceptance([6] * 10, [6] * 10)
+    assert policy.best(SHAPE.bucket) == 6  # ~6.6 tokens for two steps' time
+    for _ in range(3):  # drafts got dearer: the median moves
+        policy.observe_cost(SHAPE, 6, 20.0)
+    assert policy.best(SHAPE.bucket) == 0
+    for _ in range(5):
+        policy.observe_cost(SHAPE, 6, 2.0)
+    assert policy.best(SHAPE.bucket) == 6
+    policy.observe_acceptance([6] * 1000, [0] * 1000)  # then nothing is accepted any more
+    assert policy.best(SHAPE.bucket) == 0
+    # A bucket added later is found as a neighbour of one measured earlier.
+    tail = RoundShape(rows=2, context=4096)
+    assert policy.cost_ratio(tail.bucket, 6) == pytest.approx(2.0)
+    policy.observe_cost(tail, 0, 1.0)
+    policy.observe_cost(tail, 6, 9.0)
+    assert policy.cost_ratio(tail.bucket, 6) == pytest.approx(9.0)
