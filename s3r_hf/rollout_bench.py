@@ -203,6 +203,17 @@ def call_record(output: Any, seconds: float, prompt_len: int, eos_ids: set[int],
     return record
 
 
+def decode_by_rows(calls: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per call on average, by running rows (`S3RStats.decode_by_rows`): seconds, steps and tokens."""
+    totals: dict[int, dict[str, float]] = {}
+    for call in calls:
+        for rows, entry in call["stats"].get("decode_by_rows", {}).items():
+            total = totals.setdefault(int(rows), {"seconds": 0.0, "steps": 0.0, "tokens": 0.0})
+            for key in total:
+                total[key] += entry[key] / len(calls)
+    return dict(sorted(totals.items(), reverse=True))
+
+
 def summarise(calls: list[dict[str, Any]]) -> dict[str, Any]:
     """Cold (first call) and warm (the calls after it; the first when there is only one) figures of a mode."""
     warm = calls[1:] or calls
@@ -222,6 +233,7 @@ def summarise(calls: list[dict[str, Any]]) -> dict[str, Any]:
         for phase in ("prefill_s", "decode_s", "graph_capture_s", "other_s"):
             summary[f"warm_{phase}"] = sum(c[phase] for c in engine) / len(engine)
         summary["warm_graph_captures"] = sum(c["graph_captures"] for c in engine) / len(engine)
+        summary["warm_decode_by_rows"] = decode_by_rows(engine)
         summary["cold_graph_captures"] = calls[0].get("graph_captures", 0)
         # Speculation over every call (acceptance does not warm up), from the summed counts.
         totals = {key: sum(c["stats"][key] for c in calls) for key in
@@ -372,6 +384,30 @@ def print_point(point: dict[str, Any], console: Console) -> None:
     console.print(speed)
     if engine.row_count:
         console.print(engine)
+        console.print(rows_table(point, title))
+
+
+def rows_table(point: dict[str, Any], title: str) -> Table:
+    """Decoding by the number of requests still running, per warm call: where each mode spends the call (the tail of
+    a few long responses, say) and what a step costs there."""
+    modes = {mode: result["summary"]["warm_decode_by_rows"] for mode, result in point["modes"].items()
+             if "warm_decode_by_rows" in result.get("summary", {})}
+    table = Table(title=f"{title}: decoding by running rows",
+                  caption="per warm call: seconds / engine steps, and ms per step; rows: at most that many running")
+    table.add_column("rows", justify="right")
+    for mode in modes:
+        table.add_column(mode, justify="right", no_wrap=True)
+    for rows in sorted({rows for by_rows in modes.values() for rows in by_rows}, reverse=True):
+        cells = []
+        for by_rows in modes.values():
+            entry = by_rows.get(rows)
+            if entry is None or not entry["steps"]:
+                cells.append("-")
+                continue
+            seconds, steps = entry["seconds"], entry["steps"]
+            cells.append(f"{seconds:.2f} s / {steps:.0f}, {seconds / steps * 1e3:.2f}")
+        table.add_row(str(rows), *cells)
+    return table
 
 
 def plot(points: list[dict[str, Any]], path: str) -> None:

@@ -69,6 +69,10 @@ class S3RStats:
     # Request-rounds by the number of tokens drafted (0: dense steps), e.g. how often an adaptive engine chose each
     # draft length (shorter near the end of a response, where fewer tokens remain).
     draft_length_counts: dict[int, int] = field(default_factory=dict)
+    # Decoding by the number of requests running in a step, in powers of two (the key: at most that many rows):
+    # `{"seconds", "steps", "tokens"}` each, the seconds being host wall time from one step's start to the next's
+    # (a prefill step's interval is left out). Shows where a call's time goes, e.g. its tail of a few long responses.
+    decode_by_rows: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def record_round(self, num_drafted: list[int], num_accepted: list[int], num_committed: list[int]) -> None:
         """Add one verification round; one entry per request verified in it.
@@ -83,12 +87,26 @@ class S3RStats:
         for length, count in lengths.items():
             self.draft_length_counts[length] = self.draft_length_counts.get(length, 0) + count
         self.drafted += sum(num_drafted)
+        rows = self._rows_entry(len(num_drafted))
+        rows["steps"] += 1
+        rows["tokens"] += sum(num_committed)
         self.accepted += sum(num_accepted)
         self.committed += sum(num_committed)
         self._grow(max(num_drafted, default=0))
         self._count_positions(self.position_drafted, num_drafted)
         # A position counts as accepted only where it was drafted.
         self._count_positions(self.position_accepted, [min(a, d) for a, d in zip(num_accepted, num_drafted)])
+
+    def record_step_interval(self, rows: int, seconds: float) -> None:
+        """Wall time from the start of a decode step of `rows` requests to the start of the next step."""
+        self._rows_entry(rows)["seconds"] += seconds
+
+    def _rows_entry(self, rows: int) -> dict[str, float]:
+        bucket = 1 << max(rows - 1, 0).bit_length()
+        entry = self.decode_by_rows.get(bucket)
+        if entry is None:
+            entry = self.decode_by_rows[bucket] = {"seconds": 0.0, "steps": 0, "tokens": 0}
+        return entry
 
     @staticmethod
     def _count_positions(counts: list[int], lengths: list[int]) -> None:
@@ -216,6 +234,7 @@ class S3RStats:
             "compile_seconds": self.compile_seconds,
             "stage_seconds": dict(self.stage_seconds),
             "draft_length_counts": dict(sorted(self.draft_length_counts.items())),
+            "decode_by_rows": {rows: dict(entry) for rows, entry in sorted(self.decode_by_rows.items())},
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_accepted_tokens_per_pos": self.num_accepted_tokens_per_pos,

@@ -49,10 +49,13 @@ def test_rollout_runs_every_mode_on_a_random_shape(tmp_path, capsys):
         if mode in ENGINE_MODES:
             check_engine_counts(mode, run["calls"], 4, 3)
             assert {"warm_prefill_s", "warm_decode_s", "warm_graph_capture_s", "tau"} <= set(summary)
+            by_rows = summary["warm_decode_by_rows"]  # four rows decode together to the end
+            assert list(by_rows) == ["4"] and by_rows["4"]["tokens"] == 4 * 10 - 4  # the first tokens come in prefill
     assert point["modes"]["s3r-fixed"]["summary"]["num_drafts"] > 0
     assert set(point["ratios"]["s3r-adaptive"]) == {"warm_vs_ar", "cold_vs_ar", "warm_vs_generate", "cold_vs_generate"}
     assert plot_path.stat().st_size > 0
-    assert "speed" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "speed" in printed and "decoding by running rows" in printed
 
 
 def test_rollout_of_a_real_model_applies_the_chat_template_and_ends_at_eos(tmp_path):

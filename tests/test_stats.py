@@ -70,3 +70,41 @@ def test_decode_steps_and_request_rounds_keep_their_former_names():
     assert (stats.decode_steps, stats.request_rounds) == (1, 3)
     assert (stats.steps, stats.rounds) == (1, 3)
     assert {"decode_steps", "request_rounds"} <= set(stats.to_dict())
+
+
+def test_decode_by_rows_buckets_steps_by_the_requests_running():
+    stats = S3RStats()
+    stats.record_round([0] * 64, [0] * 64, [1] * 64)
+    stats.record_step_interval(64, 0.5)
+    stats.record_round([6] * 3, [2] * 3, [3] * 3)
+    stats.record_step_interval(3, 0.25)
+    stats.record_round([0], [0], [1])
+    stats.record_step_interval(1, 0.125)
+    assert stats.decode_by_rows == {
+        64: {"seconds": 0.5, "steps": 1, "tokens": 64},
+        4: {"seconds": 0.25, "steps": 1, "tokens": 9},
+        1: {"seconds": 0.125, "steps": 1, "tokens": 1},
+    }
+    assert json.loads(json.dumps(stats.to_dict()))["decode_by_rows"]["4"]["tokens"] == 9
+
+
+def test_a_call_accounts_its_decode_time_and_tokens_by_rows():
+    """Every decode step's interval and tokens land in one rows bucket: the buckets sum to the call's decoding."""
+    from conftest import left_padded_batch, tiny_model
+
+    from s3r_hf import S3RConfig, enable
+
+    model = tiny_model("llama")
+    enable(model)
+    ids, mask = left_padded_batch([5, 9, 7, 12, 3])
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=24, do_sample=True, pad_token_id=0, eos_token_id=None,
+        s3r_config=S3RConfig(min_budget=8, draft_len=3, seed=1), return_dict_in_generate=True,
+    )
+    stats = out.s3r_stats
+    by_rows = stats.decode_by_rows
+    assert set(by_rows) <= {1, 2, 4, 8}
+    assert sum(entry["steps"] for entry in by_rows.values()) == stats.decode_steps
+    assert sum(entry["tokens"] for entry in by_rows.values()) == stats.committed
+    seconds = sum(entry["seconds"] for entry in by_rows.values())
+    assert 0 < seconds <= stats.decode_seconds + 1e-6 or stats.decode_seconds == 0

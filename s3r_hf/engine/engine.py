@@ -145,6 +145,7 @@ class S3REngine:
                 if phase != step_phase:
                     phase_started, phase = self.timer.end_phase(phase, phase_started), step_phase
                 if step.kind == "prefill":
+                    self.timer.step_ended()
                     self._prefill_step(step.requests)
                     self.timer.interrupted()  # the interval around a prefill step is no round's cost
                 elif step.kind == "mixed":
@@ -158,6 +159,7 @@ class S3REngine:
                     with torch.profiler.record_function("s3r_hf.decode_round"):
                         self.round.run(self.scheduler.running, k)
                 self.scheduler.finish_step()
+            self.timer.step_ended()
             self.timer.end_phase(phase, phase_started)
         self._record_compilation(compiled_before)
         if self.runner.graphs is not None:  # this call's captures (the graphs may be kept from earlier calls)

@@ -32,6 +32,7 @@ class RoundTimer:
         self._timed_round: tuple[RoundShape, int, float, float, bool] | None = None
         self._previous_k: int | None = None  # the draft length of the previous round (a refresh step counts as 0)
         self._captured_before_stage = 0.0  # capture seconds already counted when the current stage began
+        self._step_began: tuple[int, float] | None = None  # (rows, start) of the step running now
 
     @property
     def stages(self) -> bool:
@@ -69,18 +70,30 @@ class RoundTimer:
         stage."""
         steady = self._previous_k == k
         self._previous_k = k
-        self._timed_round = None if refresh_step else (round_shape(requests), k, time.perf_counter(),
-                                                       self.capture_seconds(), steady)
+        now = self.step_ended()
+        self._step_began = (len(requests), now)
+        self._timed_round = None if refresh_step else (round_shape(requests), k, now, self.capture_seconds(), steady)
         if not self.stages:
             return 0.0
         self._captured_before_stage = self.capture_seconds()
         return self.clock()
+
+    def step_ended(self) -> float:
+        """The decode step running now (if any) is over: its wall time goes to the stats under its number of rows.
+        Returns the time now."""
+        now = time.perf_counter()
+        if self._step_began is not None:
+            rows, began = self._step_began
+            self.stats.record_step_interval(rows, now - began)
+            self._step_began = None
+        return now
 
     def interrupted(self) -> None:
         """A prefill step or a mixed step ran: the interval around it is no round's cost, and the next round follows
         no round."""
         self._timed_round = None
         self._previous_k = None
+        self._step_began = None
 
     # ---------------------------------------------------------------- stages
     def stage_done(self, stage: str, started: float) -> float:
