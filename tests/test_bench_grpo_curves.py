@@ -73,6 +73,21 @@ def test_saved_results_re_render_into_a_plot_without_running(tmp_path):
     assert table.count("\n") - 1 <= 11 and "| 40 |" in table  # every 4th step, and the last
 
 
+def test_warm_steps_are_compared_with_their_median_in_seconds_and_per_token():
+    bench = bench_grpo()
+    # A first step that compiles, then steps whose time follows their completion tokens, one of them slow.
+    seconds = [40.0, 10.0, 12.0, 11.0, 15.0]
+    tokens = [1000, 1000, 1200, 1100, 1000]
+    steps = [{"step": i + 1, "step_seconds": s, "completion_tokens": t}
+             for i, (s, t) in enumerate(zip(seconds, tokens))]
+    summary = bench.summarise(steps)
+    assert summary["warm_step_worst_over_median"] == pytest.approx(15.0 / 12.0 - 1)
+    assert summary["warm_step_best_under_median"] == pytest.approx(1 - 10.0 / 12.0)
+    assert summary["warm_step_per_token_worst_over_median"] == pytest.approx(0.015 / 0.01 - 1)
+    table = bench.markdown_table([{"mode": "s3r", "status": "ok", "summary": summary}])
+    assert "s3r: warm steps within +25% / -17% of their median step time" in table
+
+
 def test_runs_go_one_per_device_at_a_time(monkeypatch):
     bench = bench_grpo()
     placed, running, most = [], [0], [0]

@@ -84,6 +84,8 @@ STEP_KEYS = {
     "s3r/dense_steps": "dense_steps",
     "s3r/rollout_seconds": "s3r_rollout_seconds",
     "s3r/graph_capture_seconds": "graph_capture_seconds",
+    "s3r/compiled_graphs": "compiled_graphs",
+    "s3r/compile_seconds": "compile_seconds",
 }
 
 
@@ -274,6 +276,8 @@ def _trainer_classes() -> tuple[type, type]:
             parts.append(f"reward {logs.get('reward', float('nan')):.3f}")
             if "s3r/tau" in logs:
                 parts.append(f"tau {logs['s3r/tau']:.2f}")
+            if logs.get("s3r/compiled_graphs"):
+                parts.append(f"compiled {logs['s3r/compiled_graphs']:.0f} graphs in {logs['s3r/compile_seconds']:.1f}s")
             print("  ".join(parts), flush=True)
             if self.on_record is not None:
                 self.on_record(step_record(state.global_step, logs))
@@ -447,6 +451,15 @@ def summarise(steps: list[dict[str, Any]]) -> dict[str, float]:
         "acceptance_rate": _mean(column(steps, "acceptance_rate")),
         "tau": _mean(column(steps, "tau")),
     }
+    # Steady state from the second step on: each warm step against the median warm step, in seconds and in seconds
+    # per completion token (sampled lengths move a step's time as much as compilation does).
+    for key, name in (("step_seconds", "step"), ("step_seconds_per_token", "step_per_token")):
+        values = [row["step_seconds"] / row["completion_tokens"] if key == "step_seconds_per_token"
+                  else row["step_seconds"] for row in warm if "step_seconds" in row and row.get("completion_tokens")]
+        if len(values) >= 2:
+            median = sorted(values)[len(values) // 2]
+            summary[f"warm_{name}_worst_over_median"] = max(values) / median - 1
+            summary[f"warm_{name}_best_under_median"] = 1 - min(values) / median
     tokens = sum(column(warm, "completion_tokens"))
     generate, step = sum(column(warm, "generate_seconds")), sum(column(warm, "step_seconds"))
     summary["generate_tokens_per_second_warm"] = tokens / generate if generate else math.nan
@@ -497,6 +510,14 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
             continue  # one of the two modes did not run
         lines.append(f"\n{faster} vs {base} ({meaning}; warm steps, tokens/s): generation x{_fmt(ratios[0])}, "
                      f"whole step x{_fmt(ratios[1])}")
+    for result, label in zip(results, run_labels(results)):
+        s = result.get("summary", {})
+        if "warm_step_worst_over_median" in s:
+            lines.append(
+                f"\n{label}: warm steps within +{s['warm_step_worst_over_median']:.0%} / "
+                f"-{s['warm_step_best_under_median']:.0%} of their median step time; per completion token "
+                f"+{s['warm_step_per_token_worst_over_median']:.0%} / -{s['warm_step_per_token_best_under_median']:.0%}"
+            )
     return "\n".join(lines)
 
 

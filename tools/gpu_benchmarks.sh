@@ -51,7 +51,8 @@
 #                points-bench are its two halves)
 #   grpo         GRPO rollouts, S3R vs TRL generation (installs $GRPO_WHEELS first; S3R's first step compiles for
 #                ~30 s on a fresh machine, so each mode gets 140 s); GRPO_EXTRA="--model-dtype bfloat16 --bf16" runs
-#                it in bf16
+#                it in bf16; GRPO_MODES (s3r,trl,trl-paged), GRPO_STEPS (5), GRPO_COMPLETION (512 tokens),
+#                GRPO_SECONDS (90 per mode), GRPO_TIMEOUT (440 in all), GRPO_NAME (suffix of grpo.json and grpo.log)
 #   curves       training curves on the arithmetic task (S3R rollouts vs TRL generation, the same seeds and settings;
 #                docs/benchmarks.md, "Training curves"): SmolLM2 fp32, CURVES_STEPS (default 150) GRPO steps of
 #                8 prompts x 8 generations, <= 64 tokens each; CURVES_MODES (s3r,trl) x CURVES_SEEDS (1,2) runs, one
@@ -219,10 +220,13 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     # shellcheck disable=SC2086
     wheels=$(wheels_in $GRPO_WHEELS)
     [ -n "$wheels" ] && install_wheels $wheels
-    timeout 440 python3 tools/bench_grpo.py --model "$smol" "${dataset_flag[@]}" --modes s3r,trl,trl-paged --max-steps 5 \
-      --per-device-batch 32 --num-generations 8 --max-completion-length 512 --max-seconds-per-mode 90 \
-      --mode-timeout 140 --s3r-config '{"cuda_graphs": true, "compile_layers": true}' ${GRPO_EXTRA:-} --json "$OUT/grpo.json" 2>&1 \
-      | grep -v -i warn | tee "$OUT/grpo.log" | tail -60
+    grpo_seconds=${GRPO_SECONDS:-90}
+    timeout "${GRPO_TIMEOUT:-440}" python3 tools/bench_grpo.py --model "$smol" "${dataset_flag[@]}" \
+      --modes "${GRPO_MODES:-s3r,trl,trl-paged}" --max-steps "${GRPO_STEPS:-5}" --per-device-batch 32 \
+      --num-generations 8 --max-completion-length "${GRPO_COMPLETION:-512}" --max-seconds-per-mode "$grpo_seconds" \
+      --mode-timeout $((grpo_seconds + 50)) --s3r-config '{"cuda_graphs": true, "compile_layers": true}' \
+      ${GRPO_EXTRA:-} --json "$OUT/grpo${GRPO_NAME:-}.json" 2>&1 | grep -v -i warn | tee "$OUT/grpo${GRPO_NAME:-}.log" \
+      | tail -60
     ;;
   curves)
     # About 9.5 minutes with setup: the model converted once (~20 s), then every run in its own process on its own
@@ -263,7 +267,7 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
       timeout 400 python3 -m s3r_hf.cli bench --rollout --model "$smol" "${data_flag[@]}" --prompts ${point%%:*} \
         --generations 8 --preset ${point##*:} --calls ${ROLLOUT_CALLS:-3} --modes ${ROLLOUT_MODES:-ar,s3r-fixed,s3r-adaptive} \
         --dtype bfloat16 --cuda-graphs --compile-layers --json "$OUT/rollout_smol_${point/:/_}.json" 2>&1 \
-        | grep -v -i warn | tee "$OUT/rollout_smol_${point/:/_}.log" | tail -30
+        | grep -v -i warn | tee "$OUT/rollout_smol_${point/:/_}.log" | tail -45
     done
     ;;
   rollout-qwen)
