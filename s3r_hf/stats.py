@@ -60,6 +60,9 @@ class S3RStats:
     # the process, and the seconds spent compiling them (part of prefill and decode time).
     compiled_graphs: int = 0
     compile_seconds: float = 0.0
+    # Variants of s3r-hf's own Triton kernels built during the call (compiled, for about a second each, or read from
+    # Triton's disk cache): one per new specialization of their arguments; after the first call, 0 is steady state.
+    kernel_variants: int = 0
     # Per-stage wall time of the rounds (draft, verify, accept, refresh) with `s3r_timing="stages"` only: the
     # device is synchronized between stages, which removes host/device overlap, so use it to see where a round's
     # time goes, not for the headline numbers.
@@ -232,6 +235,7 @@ class S3RStats:
             "graph_capture_seconds": self.graph_capture_seconds,
             "compiled_graphs": self.compiled_graphs,
             "compile_seconds": self.compile_seconds,
+            "kernel_variants": self.kernel_variants,
             "stage_seconds": dict(self.stage_seconds),
             "draft_length_counts": dict(sorted(self.draft_length_counts.items())),
             "decode_by_rows": {rows: dict(entry) for rows, entry in sorted(self.decode_by_rows.items())},

@@ -248,3 +248,42 @@ def test_write_kv_matches_reference(num_kv_heads, head_dim):
     triton_backend.write_kv(key_pool, value_pool, rows, keys, values)
     assert torch.equal(key_pool, expected_keys)
     assert torch.equal(value_pool, expected_values)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Triton builds kernel variants on a GPU only (interpreted, none)")
+@pytest.mark.parametrize("stored", [False, True], ids=["recomputed", "stored"])
+def test_new_batch_sizes_and_contexts_reuse_the_kernel_variants_built(stored, monkeypatch):
+    """A rollout meets new batch sizes, contexts and block-table widths every step; none of them may make Triton
+    build (compile, ~1 s) a new variant of a kernel that already ran the same kind of step."""
+    monkeypatch.setattr(triton_backend, "stores_logits", lambda rows, head_dim, size: stored)
+    generator = torch.Generator().manual_seed(3)
+    num_kv_heads, group, head_dim, page_size, draft_len = 2, 3, 64, 16, 6
+
+    def steps(num_requests: int, context: int) -> None:
+        """A dense step, a scored verify block and a sparse draft pass of `num_requests` requests at `context`."""
+        contexts = [context - row % 5 for row in range(num_requests)]
+        num_pages = sum(-(-(c + draft_len) // page_size) for c in contexts) + 1
+        key_pool, value_pool = paged_pools(num_pages, page_size, num_kv_heads, head_dim, generator)
+        tables = block_tables_for([c + draft_len for c in contexts], page_size, num_pages, generator)
+        for width, scored in ((1, False), (draft_len + 1, True)):
+            positions = torch.cat([torch.arange(c, c + width) for c in contexts]).to(DEVICE)
+            cu = torch.arange(0, num_requests * width + 1, width, device=DEVICE)
+            query = torch.randn(num_requests * width, num_kv_heads * group, head_dim, generator=generator).to(DEVICE)
+            starts = torch.zeros(num_requests, dtype=torch.long, device=DEVICE) if scored else None
+            triton_backend.paged_dense_attention(query, key_pool, value_pool, tables, cu, positions, 0.1, starts)
+        view_width = max(context // 20, 8)
+        view = torch.randint(0, min(contexts), (num_requests, num_kv_heads, view_width), generator=generator)
+        lens = torch.full((num_requests,), view_width)
+        tails = torch.tensor(contexts)
+        query = torch.randn(num_requests, num_kv_heads * group, head_dim, generator=generator).to(DEVICE)
+        triton_backend.paged_sparse_attention(
+            query, key_pool, value_pool, tables, view.int().to(DEVICE), lens.to(DEVICE), tails.to(DEVICE),
+            (tails + 2).to(DEVICE), 0.1,
+        )
+
+    for num_requests, context in ((64, 4096), (1, 100)):  # split and unsplit keys
+        steps(num_requests, context)
+    built = triton_backend.compiled_variants()
+    for num_requests, context in ((48, 3001), (17, 1000), (33, 517), (3, 77), (2, 250), (64, 8191)):
+        steps(num_requests, context)
+    assert triton_backend.compiled_variants() == built

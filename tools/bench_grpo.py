@@ -86,6 +86,7 @@ STEP_KEYS = {
     "s3r/graph_capture_seconds": "graph_capture_seconds",
     "s3r/compiled_graphs": "compiled_graphs",
     "s3r/compile_seconds": "compile_seconds",
+    "s3r/kernel_variants": "kernel_variants",
 }
 
 
@@ -278,6 +279,8 @@ def _trainer_classes() -> tuple[type, type]:
                 parts.append(f"tau {logs['s3r/tau']:.2f}")
             if logs.get("s3r/compiled_graphs"):
                 parts.append(f"compiled {logs['s3r/compiled_graphs']:.0f} graphs in {logs['s3r/compile_seconds']:.1f}s")
+            if logs.get("s3r/kernel_variants"):
+                parts.append(f"{logs['s3r/kernel_variants']:.0f} new kernel variants")
             print("  ".join(parts), flush=True)
             if self.on_record is not None:
                 self.on_record(step_record(state.global_step, logs))

@@ -145,4 +145,5 @@ class S3RGRPOTrainer(GRPOTrainer):
         metrics["s3r/concurrency_limit_final"].append(float(stats.concurrency_limit_final))
         metrics["s3r/graph_capture_seconds"].append(stats.graph_capture_seconds)
         metrics["s3r/compiled_graphs"].append(float(stats.compiled_graphs))
+        metrics["s3r/kernel_variants"].append(float(stats.kernel_variants))
         metrics["s3r/compile_seconds"].append(stats.compile_seconds)

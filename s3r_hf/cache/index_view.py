@@ -31,8 +31,9 @@ class SparseIndexViews:
     def ensure_capacity(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
-        # Grow geometrically so refreshes at growing context lengths rarely reallocate.
-        new_capacity = max(capacity, 2 * self.capacity, 64)
+        # Grow geometrically so refreshes at growing context lengths rarely reallocate; a multiple of 16, so the
+        # views' strides keep the same Triton specialization at every size (`kernels/triton_backend.py`).
+        new_capacity = -(-max(capacity, 2 * self.capacity, 64) // 16) * 16
         grown = self.positions.new_zeros(*self.positions.shape[:3], new_capacity)
         grown[..., : self.capacity] = self.positions
         self.positions = grown

@@ -26,6 +26,7 @@ from s3r_hf.engine.round_timing import RoundTimer
 from s3r_hf.engine.sampling_setup import SamplingSetup
 from s3r_hf.engine.scheduler import Scheduler
 from s3r_hf.engine.view_updates import IndexViewUpdates
+from s3r_hf.kernels import triton_variants
 from s3r_hf.request import Request
 from s3r_hf.runtime_state import ModelRuntime
 from s3r_hf.stats import S3RStats
@@ -132,6 +133,7 @@ class S3REngine:
         captured_before = self._prepare_graphs(requests)
         compiled = contextlib.nullcontext()
         compiled_before = compile_counters() if self.config.compile_layers else (0, 0.0)
+        variants_before = triton_variants()
         if self.config.compile_layers:
             fused = self.runtime.fused_projections(lambda: fused_projections_for(self.model))
             compiled = compiled_decoder_layers(self.model, fused)
@@ -162,6 +164,7 @@ class S3REngine:
             self.timer.step_ended()
             self.timer.end_phase(phase, phase_started)
         self._record_compilation(compiled_before)
+        self.stats.kernel_variants = triton_variants() - variants_before
         if self.runner.graphs is not None:  # this call's captures (the graphs may be kept from earlier calls)
             self.stats.graph_captures = self.runner.graphs.captures - captured_before[0]
             self.stats.graph_capture_seconds = self.runner.graphs.capture_seconds - captured_before[1]

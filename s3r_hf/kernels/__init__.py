@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from types import ModuleType
 
 import torch
@@ -30,4 +31,11 @@ def get_backend(device: torch.device | str) -> ModuleType:
     return reference
 
 
-__all__ = ["get_backend", "reference"]
+def triton_variants() -> int:
+    """Variants of s3r-hf's Triton kernels built in this process so far (compiled, or read from Triton's disk
+    cache), 0 before the Triton backend is first used; the engine reports the difference over a call."""
+    module = sys.modules.get("s3r_hf.kernels.triton_backend")
+    return module.compiled_variants() if module is not None else 0
+
+
+__all__ = ["get_backend", "reference", "triton_variants"]

@@ -27,7 +27,19 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-@triton.jit
+# Triton compiles a kernel once per specialization of its integer arguments (equal to 1, divisible by 16), so an
+# argument that takes new values from call to call (a block table's width, a loop bound, the stride of a buffer
+# sized by the batch) compiles a new variant, for seconds, whenever its specialization changes: mid-rollout, and in
+# every CUDA-graph capture of a new batch bucket. Such arguments are left unspecialized (`do_not_specialize`), and
+# buffers whose strides address vector loads are padded so those strides are always multiples of 16 (`_PAD`).
+_PAD = 16
+
+
+def _padded(n: int) -> int:
+    return -(-max(n, 1) // _PAD) * _PAD
+
+
+@triton.jit(do_not_specialize=["stride_btn", "stride_vn", "stride_vh", "stride_ls", "keys_per_split"])
 def _sparse_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, view_ptr, view_len_ptr, tail_ptr, pos_ptr, out_ptr, lse_ptr,
     stride_qn, stride_qh,
@@ -198,7 +210,7 @@ def _out_dtype(query: torch.Tensor, splits: int) -> torch.dtype:
     return query.dtype if splits == 1 else torch.float32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bts", "stride_ls", "num_q_blocks", "keys_per_split"])
 def _dense_varlen_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, pos_ptr, out_ptr, lse_ptr, logit_ptr, score_start_ptr,
     stride_qn, stride_qh,
@@ -323,7 +335,7 @@ def paged_dense_attention(
             max_scored_queries = int(torch.where(score_starts >= 0, lengths - score_starts, 0).max())
         max_scored_rows = max(1, max_scored_queries) * group
         if stores_logits(max_scored_rows, head_dim, key_pool.element_size()):
-            logits = _score_scratch((num_segments, num_kv_heads, max_scored_rows, max(max_context, 1)), query.device)
+            logits = _score_scratch((num_segments, num_kv_heads, max_scored_rows, _padded(max_context)), query.device)
     scratch = logits if logits is not None else positions  # any valid pointer when no logits are stored
     num_q_blocks = triton.cdiv(max_len, block_m)
     target = _TARGET_PROGRAMS if logits is None else _TARGET_PROGRAMS_STORING_LOGITS
@@ -354,7 +366,7 @@ def paged_dense_attention(
     if score_starts is None:
         return out, lse, None
     if logits is not None:
-        return out, lse, _reduce_stored_logits(logits, lse, cu, positions, score_starts, group)
+        return out, lse, _reduce_stored_logits(logits, lse, cu, positions, score_starts, group, max(max_context, 1))
     scores = _verify_scores(
         query, key_pool, block_tables, cu, positions, score_starts, lse, scale, max(max_context, 1), max_scored_rows
     )
@@ -380,7 +392,7 @@ def _scored_rows(cu_ptr, start_ptr, segment, GROUP: tl.constexpr):
     return first_query, tl.maximum(seg_end - first_query, 0) * GROUP
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bts", "stride_os", "stride_oh", "length"])
 def _verify_scores_kernel(
     q_ptr, k_ptr, bt_ptr, cu_ptr, pos_ptr, start_ptr, lse_ptr, out_ptr,
     stride_qn, stride_qh,
@@ -454,7 +466,7 @@ def _verify_scores(
     return scores
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_os", "stride_oh", "length"])
 def _reduce_scores_kernel(
     logit_ptr, lse_ptr, cu_ptr, pos_ptr, start_ptr, out_ptr,
     stride_gs, stride_gh, stride_gr,
@@ -487,13 +499,13 @@ def _reduce_scores_kernel(
     tl.store(out_ptr + segment * stride_os + kv_head * stride_oh + keys, acc / tl.maximum(num_rows, 1), mask=key_ok)
 
 
-def _reduce_stored_logits(logits, lse, cu_seqlens, positions, score_starts, group) -> torch.Tensor:
+def _reduce_stored_logits(logits, lse, cu_seqlens, positions, score_starts, group, length: int) -> torch.Tensor:
     """Mean softmax weight per key position from the scored rows' logits and their saved LSE.
 
     One pass over the logit scratch (a few rows per segment), never over K: each program owns a block of key
     positions of one (segment, KV head) and sums `exp(logit - lse)` over the scored (query, head) rows.
     """
-    num_segments, num_kv_heads, max_rows, length = logits.shape
+    num_segments, num_kv_heads, max_rows, _ = logits.shape  # the key axis padded past `length` (`_padded`)
     scores = torch.empty(num_segments, num_kv_heads, length, dtype=torch.float32, device=logits.device)
     rows = min(64, max(2, triton.next_power_of_2(max_rows)))
     block = min(1024, 8192 // rows)  # ~8K logits per tile
@@ -508,7 +520,7 @@ def _reduce_stored_logits(logits, lse, cu_seqlens, positions, score_starts, grou
     return scores
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits", "stride_qs"])
 def _merge_splits_kernel(
     part_ptr, part_lse_ptr, out_ptr, lse_ptr,
     splits,
@@ -605,6 +617,17 @@ def write_kv(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
+
+
+KERNELS = (
+    _sparse_decode_kernel, _dense_varlen_kernel, _verify_scores_kernel, _reduce_scores_kernel, _merge_splits_kernel,
+    _write_kv_kernel,
+)
+
+
+def compiled_variants() -> int:
+    """Variants of `KERNELS` built in this process (one per device and specialization of their arguments)."""
+    return sum(len(caches[0]) for kernel in KERNELS for caches in getattr(kernel, "device_caches", {}).values())
 
 
 def select_topk_candidates(scores: torch.Tensor, history_lens: torch.Tensor, num_candidates: int) -> torch.Tensor:
