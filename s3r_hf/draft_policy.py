@@ -121,6 +121,8 @@ class AdaptiveDraftLength:
         lengths: the draft lengths it may choose (default: all of `0..max_draft_len`).
         probe_rounds: consecutive rounds a probe runs (the engine times all but the first).
         switch_margin: how much more tokens per second drafting must promise to replace dense decoding.
+        probe_budget: the share of a bucket's time its probes may lose, by the current estimates: a probe of a
+            length that loses by far (drafting on a launch-bound model, say) waits correspondingly longer.
 
     A choice is made before every round, so it must cost little next to a dense step of a small model: the medians,
     the expected tokens and each bucket's neighbours by distance are kept up to date as observations arrive instead
@@ -139,6 +141,7 @@ class AdaptiveDraftLength:
         lengths: tuple[int, ...] | None = None,
         probe_rounds: int = 3,
         switch_margin: float = 0.1,
+        probe_budget: float = 0.01,
     ) -> None:
         if max_draft_len < 1:
             raise ValueError(f"AdaptiveDraftLength needs max_draft_len >= 1, got {max_draft_len}")
@@ -154,6 +157,7 @@ class AdaptiveDraftLength:
         self.samples = samples
         self.probe_rounds = probe_rounds
         self.switch_margin = switch_margin
+        self.probe_budget = probe_budget
         self.reached = [0.0] * max_draft_len  # drafts at position j the acceptance test looked at
         self.accepted = [0.0] * max_draft_len
         self.buckets: dict[tuple[int, int], _BucketCosts] = {}
@@ -285,38 +289,54 @@ class AdaptiveDraftLength:
         elif best is None:  # nothing to compare yet: measure dense steps, then full rounds
             k = 0 if 0 not in bucket.seconds else self.max_draft_len
         else:
-            if best != bucket.choice:  # the evidence moved: look again soon
-                bucket.choice, bucket.probe_gap = best, 0
-                bucket.next_probe = min(bucket.next_probe, bucket.rounds + self.min_probe_gap)
+            if best != bucket.choice:  # the evidence moved: look again soon, as soon as the probe is worth it
+                bucket.choice = best
+                affordable = self._affordable_gap(values, best, self._probe_length(bucket, best))
+                bucket.probe_gap = max(self.min_probe_gap, affordable)
+                bucket.next_probe = bucket.rounds + bucket.probe_gap
             k = self._probe(bucket, best, values) if bucket.rounds >= bucket.next_probe else best
         self.choices[k] = self.choices.get(k, 0) + 1
         return k
 
     def _probe(self, bucket: _BucketCosts, best: int, values: dict[int, float]) -> int:
-        """The length next to the choice or at either end that this bucket measured longest ago (the ends first,
-        which tell most about whether drafting pays at all), for the next `probe_rounds` rounds.
-
-        The gap to the next probe doubles while the probes keep confirming `best`, and quadruples when the length
-        probed now was last estimated well behind it (by twice `switch_margin`): a probe of a length that loses
-        clearly costs its lost time and a switch each way, for little chance of changing the choice."""
-        ends = (0, self.max_draft_len)
-        candidates = [k for k in {*ends, best - 1, best + 1} - {best} if k in self.lengths]
-        k = min(candidates, key=lambda j: (bucket.last_seen.get(j, -1), j not in ends, j))
+        """Start a probe of `_probe_length` for the next `probe_rounds` rounds. The gap to the next probe doubles
+        while the probes keep confirming `best` (up to `max_probe_gap`), and is never shorter than
+        `_affordable_gap`."""
+        k = self._probe_length(bucket, best)
         bucket.probe_k, bucket.probe_left = k, self.probe_rounds - 1
-        behind = k in values and values[k] * (1 + 2 * self.switch_margin) < values[best]
-        bucket.probe_gap = min(self.max_probe_gap, max(self.min_probe_gap, (4 if behind else 2) * bucket.probe_gap))
+        doubled = min(self.max_probe_gap, max(self.min_probe_gap, 2 * bucket.probe_gap))
+        bucket.probe_gap = max(doubled, self._affordable_gap(values, best, k))
         bucket.next_probe = bucket.rounds + bucket.probe_gap
         return k
+
+    def _probe_length(self, bucket: _BucketCosts, best: int) -> int:
+        """The length next to the choice or at either end that this bucket measured longest ago (the ends first,
+        which tell most about whether drafting pays at all)."""
+        ends = (0, self.max_draft_len)
+        candidates = [k for k in {*ends, best - 1, best + 1} - {best} if k in self.lengths]
+        return min(candidates, key=lambda j: (bucket.last_seen.get(j, -1), j not in ends, j))
+
+    def _affordable_gap(self, values: dict[int, float], best: int, k: int) -> int:
+        """Rounds of `best` between probes of `k` for the time a probe loses, by the current estimates, to stay
+        within `probe_budget` of the time in between. `values` are tokens per dense-step time; a probe's rounds
+        commit `probe_rounds * E[τ(k)]` tokens, which `best` would have committed faster."""
+        if k not in values or best not in values or values[k] >= values[best]:
+            return 0
+        tokens = self.probe_rounds * self.expected_tokens(k)
+        lost = tokens / values[k] - tokens / values[best]  # in dense-step times
+        best_round = self.expected_tokens(best) / values[best]
+        return math.ceil(lost / (self.probe_budget * best_round))
 
     def _bucket(self, key: tuple[int, int]) -> _BucketCosts:
         bucket = self.buckets.get(key)
         if bucket is None:
-            # A new bucket (the batch shrank, contexts grew) starts as confident as its nearest measured neighbour:
-            # where the neighbour's probes kept confirming its choice, the first probe here waits as long.
-            gap = self.min_probe_gap
+            # A new bucket (the batch shrank, contexts grew) starts from its nearest neighbour's choice and as
+            # confident in it: where the neighbour's probes kept confirming it, the first probe here waits as long.
+            gap, choice = self.min_probe_gap, None
             if self.buckets:
-                gap = max(gap, self._nearest(key)[0].probe_gap)
-            bucket = self.buckets[key] = _BucketCosts(probe_gap=gap, next_probe=gap)
+                nearest = self._nearest(key)[0]
+                gap, choice = max(gap, nearest.probe_gap), nearest.choice
+            bucket = self.buckets[key] = _BucketCosts(choice=choice, probe_gap=gap, next_probe=gap)
             self._nearest_buckets.clear()
         return bucket
 

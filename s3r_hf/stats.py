@@ -90,9 +90,10 @@ class S3RStats:
         for length, count in lengths.items():
             self.draft_length_counts[length] = self.draft_length_counts.get(length, 0) + count
         self.drafted += sum(num_drafted)
-        rows = self._rows_entry(len(num_drafted))
-        rows["steps"] += 1
-        rows["tokens"] += sum(num_committed)
+        if num_drafted:
+            rows = self._rows_entry(len(num_drafted))
+            rows["steps"] += 1
+            rows["tokens"] += sum(num_committed)
         self.accepted += sum(num_accepted)
         self.committed += sum(num_committed)
         self._grow(max(num_drafted, default=0))

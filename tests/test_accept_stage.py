@@ -114,6 +114,13 @@ def _first_occurrence_inside_a_block(generated: torch.Tensor, blocks: list[tuple
 
 def _record_round_per_request(stats: S3RStats, drafted: list[int], accepted: list[int], committed: list[int]):
     """The straightforward count `record_round` must agree with: every request, every drafted position."""
+    if drafted:  # the step's rows bucket: the smallest power of two that holds them
+        bucket = 1
+        while bucket < len(drafted):
+            bucket *= 2
+        entry = stats.decode_by_rows.setdefault(bucket, {"seconds": 0.0, "steps": 0, "tokens": 0})
+        entry["steps"] += 1
+        entry["tokens"] += sum(committed)
     for d, a, c in zip(drafted, accepted, committed):
         stats.rounds += 1
         if d:
