@@ -17,7 +17,7 @@ from s3r_hf.kernels import get_backend
 from s3r_hf.model_forward import ModelForward
 from s3r_hf.request import Request
 from s3r_hf.sampler import draw_noise, sample_from_scores
-from s3r_hf.staging import to_device
+from s3r_hf.staging import to_device, to_device_packed
 from s3r_hf.stats import S3RStats
 from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
 
@@ -253,25 +253,31 @@ class ModelRunner:
         scored = scored and self.scores_verify
         committed = committed if committed is not None else [r.committed for r in requests]
         pending = pending if pending is not None else self.tensor([r.pending for r in requests])
-        write, positions, cu, history, block_rows, block_offsets = [], [], [0], [], [], []
+        write, positions, cu, block_rows, block_offsets = [], [], [0], [], []
         for row, (request, context, count) in enumerate(zip(requests, committed, draft_counts)):
             write += self.cache.flat_indices(request.slot, range(context, context + count + 1))
-            positions += list(range(context, context + count + 1))
+            positions += range(context, context + count + 1)
             cu.append(cu[-1] + count + 1)
-            history.append(context)
             block_rows += [row] * (count + 1)
-            block_offsets += list(range(count + 1))
+            block_offsets += range(count + 1)
+        dense_step = len(block_rows) == len(requests)  # no request drafted: one query each, the pending token
+        # The step's metadata in one host-to-device copy per index type (a dense step's host work is what it costs
+        # on a small model).
+        gathers = [] if dense_step else [block_rows, block_offsets]
+        write_index, history_lens, *gathers = to_device_packed([write, committed, *gathers], self.device)
+        cu_seqlens, positions_32, *starts = to_device_packed(
+            [cu, positions, *([[0] * len(requests)] if scored else [])], self.device, torch.int32
+        )
         # `[pending, d_1..d_k]` of every request, gathered on the device.
-        blocks = torch.cat([pending[:, None], draft_tokens], dim=1)
-        tokens = blocks[self.tensor(block_rows), self.tensor(block_offsets)]
+        tokens = pending if dense_step else torch.cat([pending[:, None], draft_tokens], dim=1)[gathers[0], gathers[1]]
         num_candidates = max(self.config.budget(c + k + 1) for c, k in zip(committed, draft_counts)) if scored else 0
         dense = DenseSegments(
             query_index=None,
-            cu_seqlens=self.int32(cu),
-            positions=self.int32(positions),
+            cu_seqlens=cu_seqlens,
+            positions=positions_32,
             block_tables=tables,
-            score_starts=self.int32([0] * len(requests)) if scored else None,
-            history_lens=self.tensor(history),
+            score_starts=starts[0] if scored else None,
+            history_lens=history_lens,
             num_candidates=num_candidates,
             # The round's length, not its longest block: rounds whose requests all draft fewer (`max_new_tokens` is
             # near) replay the round's CUDA graph instead of capturing one per shorter width.
@@ -279,7 +285,7 @@ class ModelRunner:
             max_context=max(c + k + 1 for c, k in zip(committed, draft_counts)),
             max_scored_queries=max(draft_counts) + 1 if scored else 0,
         )
-        plan = StepPlan(write_index=self.tensor(write), position_ids=dense.positions.long()[None], dense=dense)
+        plan = StepPlan(write_index=write_index, position_ids=dense.positions.long()[None], dense=dense)
         if prompts is None:
             logits, prompt_logits = self.forward(tokens, plan), None
         else:  # logits of the verify rows, then of the finished prompts' last tokens
@@ -300,7 +306,7 @@ class ModelRunner:
         if len(block_rows) == width * len(requests):  # every block is full: the rows are already in place
             return Verified(plan, logits, cu, flat_scores.reshape(len(requests), width, -1), prompt_logits)
         target_scores = torch.zeros(len(requests), width, flat_scores.shape[-1], device=self.device)
-        target_scores[self.tensor(block_rows), self.tensor(block_offsets)] = flat_scores
+        target_scores[gathers[0], gathers[1]] = flat_scores  # some blocks are shorter: not a dense step
         return Verified(plan, logits, cu, target_scores, prompt_logits)
 
     def _append_prompts(
