@@ -183,11 +183,14 @@ class S3RCache(Cache):
 
     def reserve_if_fits(self, slots: list[int], lengths: list[int]) -> bool:
         """Reserve pages for each slot's K/V up to its `lengths` entry if the free pages cover all of them at once;
-        returns whether it did (reserving nothing otherwise)."""
-        needed = sum(max(0, self.pages_for(length) - self.pages_held(slot)) for slot, length in zip(slots, lengths))
+        returns whether it did (reserving nothing otherwise). Called for every request twice per engine step, where
+        most requests already hold their pages, so the loop compares lengths before anything else."""
+        size, page_lists = self.page_size, self.page_lists
+        short = [(slot, length) for slot, length in zip(slots, lengths) if length > len(page_lists[slot]) * size]
+        needed = sum(-(-length // size) - len(page_lists[slot]) for slot, length in short)
         if needed > self.free_pages:
             return False
-        for slot, length in zip(slots, lengths):
+        for slot, length in short:
             self.reserve(slot, length)
         return True
 

@@ -71,6 +71,8 @@ class SpeculativeRound:
 
     def draft_count(self, request: Request) -> int:
         """Drafts this round: `max_new_tokens` shortens the last block (the round adds drafts + 1 tokens)."""
+        if not self.round_k:  # a dense step (asked for every request, twice per step)
+            return 0
         return draft_count(request.remaining, self.round_k, self.acceptance.drafts_only)
 
     def run(self, requests: list[Request], k: int, prompts: PromptChunks | None = None) -> Verified | None:
