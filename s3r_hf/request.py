@@ -44,10 +44,8 @@ class Request:
     scores: list[torch.Tensor] = field(default_factory=list)
     raw_logits: list[torch.Tensor] = field(default_factory=list)
     offloaded: OffloadedRequest | None = None
-
-    @property
-    def prompt_len(self) -> int:
-        return int(self.prompt_ids.shape[0])
+    # `len(prompt_ids)`, kept as a plain attribute: the scheduler reads it for every running request every step.
+    prompt_len: int = field(init=False, default=0)
 
     @property
     def history(self) -> torch.Tensor:
@@ -67,6 +65,7 @@ class Request:
         return max(self.prefilled, self.committed)
 
     def __post_init__(self) -> None:
+        self.prompt_len = int(self.prompt_ids.shape[0])
         # A NumPy view of the CPU token buffer: writing one entry through it is an order of magnitude cheaper than a
         # torch tensor item assignment, and the commit loop writes every generated token of every request.
         self._token_array = self.tokens.numpy()

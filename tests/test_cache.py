@@ -194,6 +194,13 @@ def test_budgets_of_a_tensor_agree_with_budget():
         assert config.budgets(contexts).tolist() == [config.budget(c) for c in contexts.tolist()]
 
 
+def test_flat_rows_give_one_position_of_each_slot_as_flat_indices_do():
+    cache, _, a, b = interleaved_cache(page_size=4)
+    expected = cache.flat_indices(a, range(7, 8)) + cache.flat_indices(b, range(13, 14))
+    assert cache.flat_rows([a, b], [7, 13]) == expected
+    assert cache.flat_rows([b, a], [0, 0]) == [cache.page_lists[b][0] * 4, cache.page_lists[a][0] * 4]
+
+
 def test_set_length_can_keep_reserved_pages_and_offload_moves_only_valid_ones():
     cache, ref, a, b = interleaved_cache(page_size=4)
     pages_a = list(cache.page_lists[a])  # 19 tokens in 5 pages

@@ -247,6 +247,11 @@ class S3RCache(Cache):
             self._host_tables = grown
         self._host_tables.numpy()[slot, start : len(pages)] = pages[start:]
 
+    def flat_rows(self, slots: list[int], positions: list[int]) -> list[int]:
+        """Flat pool row of one position per slot (a dense step's writes: one token for each request)."""
+        page_lists, size = self.page_lists, self.page_size
+        return [page_lists[slot][p // size] * size + p % size for slot, p in zip(slots, positions)]
+
     def flat_indices(self, slot: int, positions: range) -> list[int]:
         """Flat pool row (`page * page_size + offset`) of each position of `slot`."""
         pages, size = self.page_lists[slot], self.page_size

@@ -253,14 +253,19 @@ class ModelRunner:
         scored = scored and self.scores_verify
         committed = committed if committed is not None else [r.committed for r in requests]
         pending = pending if pending is not None else self.tensor([r.pending for r in requests])
-        write, positions, cu, block_rows, block_offsets = [], [], [0], [], []
-        for row, (request, context, count) in enumerate(zip(requests, committed, draft_counts)):
-            write += self.cache.flat_indices(request.slot, range(context, context + count + 1))
-            positions += range(context, context + count + 1)
-            cu.append(cu[-1] + count + 1)
-            block_rows += [row] * (count + 1)
-            block_offsets += range(count + 1)
-        dense_step = len(block_rows) == len(requests)  # no request drafted: one query each, the pending token
+        dense_step = not any(draft_counts)  # one query per request, its pending token
+        if dense_step:  # every step of dense decoding: its host work is what a step costs on a small model
+            write = self.cache.flat_rows([r.slot for r in requests], committed)
+            positions, cu = committed, list(range(len(requests) + 1))
+            block_rows = block_offsets = []
+        else:
+            write, positions, cu, block_rows, block_offsets = [], [], [0], [], []
+            for row, (request, context, count) in enumerate(zip(requests, committed, draft_counts)):
+                write += self.cache.flat_indices(request.slot, range(context, context + count + 1))
+                positions += range(context, context + count + 1)
+                cu.append(cu[-1] + count + 1)
+                block_rows += [row] * (count + 1)
+                block_offsets += range(count + 1)
         # The step's metadata in one host-to-device copy per index type (a dense step's host work is what it costs
         # on a small model).
         gathers = [] if dense_step else [block_rows, block_offsets]
@@ -303,7 +308,7 @@ class ModelRunner:
             rows = [r.row for r, count in zip(requests, draft_counts) for _ in range(count + 1)]
         flat_scores = self.sampling.logits_processor(rows, histories, logits)
         width = max(draft_counts) + 1
-        if len(block_rows) == width * len(requests):  # every block is full: the rows are already in place
+        if cu[-1] == width * len(requests):  # every block is full: the rows are already in place
             return Verified(plan, logits, cu, flat_scores.reshape(len(requests), width, -1), prompt_logits)
         target_scores = torch.zeros(len(requests), width, flat_scores.shape[-1], device=self.device)
         target_scores[gathers[0], gathers[1]] = flat_scores  # some blocks are shorter: not a dense step
