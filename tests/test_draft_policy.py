@@ -129,6 +129,14 @@ ALPHA = 0.8
 TOKENS = 1 + sum(ALPHA**i for i in range(1, 7))  # E[τ(6)] when each draft is kept with probability ALPHA
 
 
+def _kept(rng: random.Random, k: int) -> int:
+    """Drafts kept of `k`, each with probability `ALPHA`, until the first rejection."""
+    kept = 0
+    while kept < k and rng.random() < ALPHA:
+        kept += 1
+    return kept
+
+
 def _probe_starts(choices: list[int]) -> int:
     return sum(1 for before, now in zip(choices, choices[1:]) if before == 0 and now > 0)
 
@@ -176,3 +184,24 @@ def test_choices_follow_new_observations():
     policy.observe_cost(tail, 0, 1.0)
     policy.observe_cost(tail, 6, 9.0)
     assert policy.cost_ratio(tail.bucket, 6) == pytest.approx(9.0)
+
+
+def test_new_buckets_keep_the_choice_their_neighbours_learned():
+    """Contexts grow through many buckets in a long rollout. Where drafting loses thirtyfold, a bucket met for the
+    first time starts from its neighbour's choice and probe gap instead of probing drafting again within a few
+    rounds (each such probe costs ~80 dense steps)."""
+    from s3r_hf.draft_policy import adaptive_for
+
+    policy = adaptive_for(6)
+    rng = random.Random(0)
+    choices = []
+    for context in range(64, 64 + 4000):  # a new context bucket at every doubling
+        shape = RoundShape(rows=24, context=context)
+        k = policy.choose(shape)
+        if choices and choices[-1] == k:
+            policy.observe_cost(shape, k, 30.0 if k else 1.0)
+        choices.append(k)
+        if k:
+            policy.observe_acceptance([k] * 24, [_kept(rng, k) for _ in range(24)])
+    assert len(policy.buckets) >= 6
+    assert _probe_starts(choices[20:]) == 0
