@@ -27,6 +27,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+SWITCH_COST = 2.0
+"""Dense-step times a probe's two switches cost on top of its rounds: a refresh step before drafting, and a round
+whose successor was not launched early."""
+
 
 @dataclass(frozen=True)
 class RoundShape:
@@ -319,11 +323,11 @@ class AdaptiveDraftLength:
     def _affordable_gap(self, values: dict[int, float], best: int, k: int) -> int:
         """Rounds of `best` between probes of `k` for the time a probe loses, by the current estimates, to stay
         within `probe_budget` of the time in between. `values` are tokens per dense-step time; a probe's rounds
-        commit `probe_rounds * E[τ(k)]` tokens, which `best` would have committed faster."""
+        commit `probe_rounds * E[τ(k)]` tokens, which `best` would have committed faster, and it switches twice."""
         if k not in values or best not in values or values[k] >= values[best]:
             return 0
         tokens = self.probe_rounds * self.expected_tokens(k)
-        lost = tokens / values[k] - tokens / values[best]  # in dense-step times
+        lost = tokens / values[k] - tokens / values[best] + SWITCH_COST  # in dense-step times
         best_round = self.expected_tokens(best) / values[best]
         return math.ceil(lost / (self.probe_budget * best_round))
 

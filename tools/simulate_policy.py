@@ -1,0 +1,91 @@
+"""The adaptive draft-length rule on a simulated rollout: how much slower than pure dense decoding (or faster) it is.
+
+A rollout call of `--batch` responses, each of a sampled length (a fifth run to `--max-new-tokens`, the rest are
+uniform below it, as SmolLM2's MATH rollouts roughly do), decoded step by step: a dense step costs `--dense-ms`
+and commits one token per running request, a drafting round costs `--round-ms` and commits 1 + the drafts kept
+(each with probability `--alpha` until the first rejection), a refresh step before drafting costs `--refresh-ms`,
+and the first dense step after drafting `--switch-back-ms` more. The rule sees the round costs the engine would
+report (rounds that follow a round of the same length) and the acceptance of every drafting round, and keeps what
+it learned from call to call, as the engine's kept state does. Costs get ±10% noise.
+
+    python tools/simulate_policy.py --round-ms 7.9     # SmolLM2 B=64 in bf16: drafting near break-even
+    python tools/simulate_policy.py --dense-ms 3 --round-ms 90 --batch 32 --max-new-tokens 4096   # fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from s3r_hf.draft_policy import RoundShape, adaptive_for  # noqa: E402
+
+
+def simulate(policy, lengths: list[int], args: argparse.Namespace, rng: random.Random) -> tuple[float, int]:
+    """Seconds of one call under `policy` (None: dense steps only), and the drafting rounds it ran."""
+    remaining, contexts = list(lengths), [args.prompt_len] * len(lengths)
+    seconds, previous, stale, drafting = 0.0, None, True, 0
+    while remaining:
+        shape = RoundShape(len(remaining), sum(contexts) // len(contexts))
+        k = policy.choose(shape) if policy is not None else 0
+        noise = 0.9 + 0.2 * rng.random()
+        if k and stale:  # a refresh step first: a scored dense step
+            seconds += args.refresh_ms / 1e3
+            remaining = [r - 1 for r in remaining]
+            contexts = [c + 1 for c in contexts]
+            stale = False
+        if k:
+            cost = args.round_ms / 1e3 * noise
+            kept = []
+            for _ in remaining:
+                n = 0
+                while n < k and rng.random() < args.alpha:
+                    n += 1
+                kept.append(n)
+            remaining = [r - n - 1 for r, n in zip(remaining, kept)]
+            contexts = [c + n + 1 for c, n in zip(contexts, kept)]
+            policy.observe_acceptance([k] * len(kept), kept)
+            drafting += 1
+        else:
+            cost = args.dense_ms / 1e3 * noise + (args.switch_back_ms / 1e3 if previous else 0.0)
+            remaining = [r - 1 for r in remaining]
+            contexts = [c + 1 for c in contexts]
+            stale = True
+        if policy is not None and previous == k:
+            policy.observe_cost(shape, k, cost)
+        previous, seconds = k, seconds + cost
+        running = [i for i, r in enumerate(remaining) if r > 0]
+        remaining, contexts = [remaining[i] for i in running], [contexts[i] for i in running]
+    return seconds, drafting
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dense-ms", type=float, default=1.8)
+    parser.add_argument("--round-ms", type=float, default=10.0)
+    parser.add_argument("--refresh-ms", type=float, default=2.6)
+    parser.add_argument("--switch-back-ms", type=float, default=0.7)
+    parser.add_argument("--alpha", type=float, default=0.8)
+    parser.add_argument("--draft-len", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=2048)
+    parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--calls", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    policy = adaptive_for(args.draft_len)
+    for call in range(args.calls):
+        lengths = [args.max_new_tokens if rng.random() < 0.2 else rng.randint(100, args.max_new_tokens - 200)
+                   for _ in range(args.batch)]
+        adaptive, drafting = simulate(policy, lengths, args, rng)
+        dense, _ = simulate(None, lengths, args, rng)
+        print(f"call {call + 1}: adaptive {adaptive:.3f} s, dense {dense:.3f} s, adaptive ÷ dense speed "
+              f"{dense / adaptive:.3f}, drafting rounds {drafting}")
+
+
+if __name__ == "__main__":
+    main()
