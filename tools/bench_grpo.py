@@ -456,9 +456,9 @@ def summarise(steps: list[dict[str, Any]]) -> dict[str, float]:
     }
     # Steady state from the second step on: each warm step against the median warm step, in seconds and in seconds
     # per completion token (sampled lengths move a step's time as much as compilation does).
-    for key, name in (("step_seconds", "step"), ("step_seconds_per_token", "step_per_token")):
-        values = [row["step_seconds"] / row["completion_tokens"] if key == "step_seconds_per_token"
-                  else row["step_seconds"] for row in warm if "step_seconds" in row and row.get("completion_tokens")]
+    timed = [row for row in warm if "step_seconds" in row and row.get("completion_tokens")]
+    for name, values in (("step", [row["step_seconds"] for row in timed]),
+                         ("step_per_token", [row["step_seconds"] / row["completion_tokens"] for row in timed])):
         if len(values) >= 2:
             median = sorted(values)[len(values) // 2]
             summary[f"warm_{name}_worst_over_median"] = max(values) / median - 1

@@ -187,7 +187,7 @@ class S3RCache(Cache):
         most requests already hold their pages, so the loop compares lengths before anything else."""
         size, page_lists = self.page_size, self.page_lists
         short = [(slot, length) for slot, length in zip(slots, lengths) if length > len(page_lists[slot]) * size]
-        needed = sum(-(-length // size) - len(page_lists[slot]) for slot, length in short)
+        needed = sum(self.pages_for(length) - len(page_lists[slot]) for slot, length in short)
         if needed > self.free_pages:
             return False
         for slot, length in short:

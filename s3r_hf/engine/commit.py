@@ -64,19 +64,12 @@ class Committer:
         EOS, or at `max_new_tokens`. Only for rounds without per-token consumers (scores, logits). Returns how many
         tokens were committed."""
         eos_token_ids = self.sampling.eos_token_ids
-        if len(proposals) == 1:  # a dense step's token: every request, every step of dense decoding
-            token = proposals[0]
-            request.append(token)
-            request.pending = token
-            if logprobs is not None:
-                request.logprobs.append(logprobs[0])
-            if self.reached_end(request, token):
-                request.status = RequestStatus.FINISHED
-            return 1
-        block = proposals[: max(1, request.remaining)]  # `commit` appends a token before it checks the limit
-        if not eos_token_ids.isdisjoint(block):
-            first_eos = next(offset for offset, token in enumerate(block) if token in eos_token_ids)
-            block = block[: first_eos + 1]  # the EOS token itself is committed
+        block = proposals
+        if len(block) > 1:  # a dense step's one token is never cut: neither rule drops a block's first token
+            block = block[: max(1, request.remaining)]  # `commit` appends a token before it checks the limit
+            if not eos_token_ids.isdisjoint(block):
+                first_eos = next(offset for offset, token in enumerate(block) if token in eos_token_ids)
+                block = block[: first_eos + 1]  # the EOS token itself is committed
         request.extend(block)
         request.pending = block[-1]
         if logprobs is not None:

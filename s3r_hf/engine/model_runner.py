@@ -257,7 +257,6 @@ class ModelRunner:
         if dense_step:  # every step of dense decoding: its host work is what a step costs on a small model
             write = self.cache.flat_rows([r.slot for r in requests], committed)
             positions, cu = committed, list(range(len(requests) + 1))
-            block_rows = block_offsets = []
         else:
             write, positions, cu, block_rows, block_offsets = [], [], [0], [], []
             for row, (request, context, count) in enumerate(zip(requests, committed, draft_counts)):
