@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from s3r_hf.cache.s3r_cache import OffloadedRequest
+from s3r_hf.cache.kv_offload import OffloadedRequest
 
 
 class RequestStatus(enum.Enum):

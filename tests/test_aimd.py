@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -22,6 +23,9 @@ from tests.exact_distribution import (
     tiny_enumerable_model,
 )
 
+# On a GPU machine (`S3R_HF_TEST_DEVICE=cuda`) the greedy engine run pauses and restores requests through the
+# offloader's CUDA stream.
+DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
 VOCAB, PROMPT_LEN, NEW_TOKENS = 8, 24, 4  # as in test_exactness_sampling.py
 
 # C_min 4, C_max 20, δ 2, β 0.5, u_low 0.5, u_high 0.9, O_th 2.
@@ -103,6 +107,7 @@ MOVING = dict(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, num_page
 
 def _moving_run(model, do_sample: bool, **config):
     input_ids, attention_mask = left_padded_batch([5, 17, 9, 23, 12, 30, 7, 19, 14, 26], seed=32)
+    input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
     kwargs = dict(attention_mask=attention_mask, do_sample=do_sample, max_new_tokens=36, pad_token_id=0)
     out = model.generate(input_ids, s3r_config=S3RConfig(**{**MOVING, **config}), return_dict_in_generate=True,
                          **kwargs)
@@ -121,7 +126,7 @@ def _assert_the_limit_moved(stats):
 
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_greedy_output_equals_dense_while_the_limit_moves(adaptive):
-    model = s3r_hf.enable(tiny_model("llama", seed=31))
+    model = s3r_hf.enable(tiny_model("llama", seed=31).to(DEVICE))
     input_ids, kwargs, out = _moving_run(model, do_sample=False, adaptive=adaptive)
     dense = model.generate(input_ids, **kwargs)
     assert torch.equal(out.sequences, dense)  # no request lost, cut short or changed

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from s3r_hf.cache.index_view import SparseIndexViews
+from s3r_hf.cache.kv_offload import KVOffloader, OffloadedRequest
 from s3r_hf.cache.page_allocator import KVCapacityError, PageAllocator
 from s3r_hf.cache.score_recorder import VerifyScoreRecorder
 from s3r_hf.kernels import get_backend
@@ -68,19 +68,6 @@ class PagedKVLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys.zero_()
         self.values.zero_()
-
-
-@dataclass
-class OffloadedRequest:
-    """K/V of one paused request, copied to host memory; restored page by page into new pages."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    length: int
-
-    @property
-    def num_pages(self) -> int:
-        return self.keys[0].shape[0] if self.keys else 0
 
 
 def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -148,6 +135,7 @@ class S3RCache(Cache):
         ]
         super().__init__(layers=layers)
         self.allocator = PageAllocator(num_pages)
+        self.offloader = KVOffloader(self.device)
         self.page_lists: dict[int, list[int]] = {}
         # Host mirror of the page lists as one int32 table (row = slot), kept in step with every change, so a
         # round's block tables are one row gather instead of a tensor built per request.
@@ -264,32 +252,21 @@ class S3RCache(Cache):
     # ---------------------------------------------------------------- offload
     def offload(self, slot: int) -> OffloadedRequest:
         """Copy a slot's K/V to host memory and free its pages; the slot itself stays reserved. Only the pages that
-        hold its valid length travel (pages reserved past it hold nothing yet)."""
+        hold its valid length travel (pages reserved past it hold nothing yet). On CUDA the copy runs on a side
+        stream (`KVOffloader`); the freed pages may be written at once."""
         held = self.page_lists[slot][: self.pages_for(self.lengths[slot])]
-        pages = torch.tensor(held, dtype=torch.long, device=self.device)
-        pin = self.device.type == "cuda"
-        keys = [self._to_host(layer.keys[pages], pin) for layer in self.layers]
-        values = [self._to_host(layer.values[pages], pin) for layer in self.layers]
-        saved = OffloadedRequest(keys=keys, values=values, length=self.lengths[slot])
+        saved = self.offloader.offload(self.layers, held, self.lengths[slot])
         self.allocator.free(self.page_lists[slot])
         self.page_lists[slot] = []
         self._host_tables[slot].zero_()
         self.lengths[slot] = 0
         return saved
 
-    @staticmethod
-    def _to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-        host.copy_(tensor, non_blocking=pin)
-        return host
-
     def restore(self, slot: int, saved: OffloadedRequest) -> None:
-        """Bring an offloaded slot back into (newly allocated) pages; raises `KVCapacityError` if none fit."""
+        """Bring an offloaded slot back into (newly allocated) pages; raises `KVCapacityError` if none fit. On CUDA
+        the host-to-device copy runs on a side stream, and the compute stream waits for it before the scatter."""
         pages = self.allocator.allocate(saved.num_pages)
-        index = torch.tensor(pages, dtype=torch.long, device=self.device)
-        for layer, keys, values in zip(self.layers, saved.keys, saved.values):
-            layer.keys[index] = keys.to(self.device, non_blocking=True)
-            layer.values[index] = values.to(self.device, non_blocking=True)
+        self.offloader.restore(saved, self.layers, pages)
         self.page_lists[slot] = pages
         self._mirror(slot, 0)
         self.lengths[slot] = saved.length
