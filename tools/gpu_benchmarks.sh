@@ -69,6 +69,9 @@
 #   layers       engine AR and S3R ms per step with the decoder layers eager, compiled per layer, compiled with
 #                max-autotune, and with liger-kernel's ops (tools/decode_layer_options.py; liger-kernel among the
 #                --wheels): SmolLM2 at B=64, S=4K, then the Qwen3-1.7B shape at B=64, S=8K (about 8 minutes)
+#   kv-pressure  the paper's Table 2: long rollouts from short prompts on the Qwen3-1.7B shape (forced acceptance), the
+#                KV pool at half the peak need; engine AR, S3R with offload at fixed limits 128/160/256, S3R with AIMD,
+#                lockstep and mixed-stage steps (tools/kv_pressure.py; KVP_ARGS adds its options, KVP_TIMEOUT 540 s)
 # ROLLOUT_CALLS and ROLLOUT_MODES set the rollout steps' --calls and --modes; CURVES_LR the curves' learning rate.
 #
 # Example: SMOL_MODEL=~/models/SmolLM2-135M-Instruct.Q4_1.gguf DATA=~/data/math_train.json \
@@ -287,6 +290,11 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
       --json "$OUT/layers_smol.json" 2>&1 | grep -v -i warn | tee "$OUT/layers_smol.log" | tail -12
     timeout 280 python3 tools/decode_layer_options.py --model qwen3-1.7b --batch 64 --seq 8192 --timeout 90 \
       --json "$OUT/layers_qwen.json" 2>&1 | grep -v -i warn | tee "$OUT/layers_qwen.log" | tail -12
+    ;;
+  kv-pressure)
+    # shellcheck disable=SC2086  # KVP_ARGS is a list of options
+    timeout ${KVP_TIMEOUT:-540} python3 tools/kv_pressure.py ${KVP_ARGS:-} --json "$OUT/kv_pressure.json" 2>&1 \
+      | grep -v -i warn | tee "$OUT/kv_pressure.log" | tail -30
     ;;
   rollout)
     for dtype in float32 bfloat16; do
