@@ -13,7 +13,10 @@ draft passes, sampling included, see `draft_phase.py`) is one graph.
 Buckets: a step replays the smallest bucket already captured that holds its rows, unless that bucket is more
 than `REUSE_FACTOR` times the bucket the rows would need (then the smaller one is captured). Padding rows cost
 little next to the weights every step reads, and each capture costs a warm-up run and a capture, so a batch
-that shrinks as requests finish captures about two buckets per kind instead of one per size.
+that shrinks as requests finish captures about two buckets per kind instead of one per size. There is no bucket
+of one row: torch.compile specializes a dimension of size 1, so with compiled layers the first step down to one
+request would compile every layer's frames again, in whichever call (a later GRPO step) a tail first gets there.
+A padding row costs a one-request step nothing measurable (both read the same weights).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
 
 logger = logging.get_logger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+BUCKETS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 REUSE_FACTOR = 4
 # Kinds whose steps pack several queries per request as segments (their buckets count requests, not tokens).
 _BLOCK_KINDS = ("verify", "block")
