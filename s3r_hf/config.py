@@ -58,7 +58,9 @@ class S3RConfig:
         concurrency_backoff (`float`, defaults to 0.7):
             Multiplicative decrease `beta` of the concurrency limit.
         utilization_low / utilization_high (`float`, defaults to 0.8 / 0.95):
-            KV-utilisation thresholds `(u_low, u_high)` of the AIMD rule.
+            KV-utilisation thresholds `(u_low, u_high)` of the AIMD rule. While requests run, a paused request is
+            restored, or a new one admitted, only if the pool stays at or below `u_low` with its pages taken: the
+            rest is headroom for the running requests' growth, so a request is not paused again rounds later.
         restore_backlog_threshold (`int`, defaults to 3):
             Restore backlog `O_th` above which the limit backs off.
         cuda_graphs (`bool`, defaults to `False`):

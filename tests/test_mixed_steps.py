@@ -103,7 +103,9 @@ def test_greedy_equals_dense_when_a_request_is_paused_mid_prompt(mixed_steps, mo
     input_ids, attention_mask = left_padded_batch([40, 8, 50, 12, 45, 9, 38, 10], seed=7)
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=30, pad_token_id=0)
     dense = model.generate(input_ids, **kwargs)
-    config = dict(QUEUE, concurrency_min=4, concurrency_max=4, prefill_chunk_size=8, num_pages=24, adaptive=False)
+    # Admissions fill the pool to the brim (`utilization_low`), so that the prompts outgrow it.
+    config = dict(QUEUE, concurrency_min=4, concurrency_max=4, prefill_chunk_size=8, num_pages=24, adaptive=False,
+                  utilization_low=1.0, utilization_high=1.0)
     out = model.generate(input_ids, s3r_config=S3RConfig(**config, mixed_steps=True), **kwargs)
     assert torch.equal(out, dense)
     assert mixed_steps["steps"] > 0 and paused_mid_prompt

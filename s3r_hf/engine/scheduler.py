@@ -97,6 +97,10 @@ class Scheduler:
         """Restore paused requests first, then admit new ones, under the concurrency limit and KV capacity.
 
         Pages a running request will still take for its prompt (prefill reserves chunk by chunk) count as taken.
+        While other requests run, a request comes in only if the pool stays at or below `utilization_low` with its
+        pages taken: the running requests grow every round, and a request brought into the last free pages would
+        push the pool over within a few rounds, pausing one of them (often the request just restored) and moving
+        its pages twice more.
         """
         running, paused, waiting = self.running, self.paused, self.waiting
         promised = sum(
@@ -105,7 +109,7 @@ class Scheduler:
         )
         while paused and len(running) < self.concurrency.limit:
             request = paused[0]
-            if self.cache.free_pages - promised < self.pages_needed(request):
+            if not self._fits(self.pages_needed(request), promised):
                 break
             paused.popleft()
             self.stats.pages_restored += request.offloaded.num_pages
@@ -115,17 +119,23 @@ class Scheduler:
             running.append(request)
         if paused:
             return
-        available = self.cache.free_pages - promised
         while waiting and len(running) < self.concurrency.limit:
             request = waiting[0]
             needed = self.pages_needed_for_prompt(request)
-            if running and available < needed:
+            if not self._fits(needed, promised):
                 break
-            available -= needed
+            promised += needed
             waiting.popleft()
             request.slot = self.cache.add_request()
             request.status = RequestStatus.RUNNING
             running.append(request)
+
+    def _fits(self, needed: int, promised: int) -> bool:
+        """Whether a request needing `needed` more pages may come in, `promised` pages being spoken for already."""
+        taken = self.cache.used_pages + promised + needed
+        if not self.running:  # alone it only has to fit
+            return taken <= self.cache.num_pages
+        return taken <= self.config.utilization_low * self.cache.num_pages
 
     def make_room_for_round(self, requests: list[Request], draft_count: Callable[[Request], int]) -> None:
         """Reserve the block of every request of the round (`draft_count(request)` drafts plus one token); pause
