@@ -94,7 +94,8 @@ def test_criteria_stop_rows_exactly_under_kv_pressure(monkeypatch):
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=40,
                   stopping_criteria=StoppingCriteriaList([StopOnOwnToken(stop_ids)]))
     dense = model.generate(input_ids, **kwargs)
-    config = S3RConfig(**{**CONFIG.to_dict(), "num_pages": 30})
+    # Restores and admissions fill the pool to the brim (`utilization_low`), so that rows are paused often.
+    config = S3RConfig(**{**CONFIG.to_dict(), "num_pages": 30, "utilization_low": 1.0, "utilization_high": 1.0})
     out = model.generate(input_ids, s3r_config=config, **kwargs)
     assert torch.equal(out, dense)
     assert out.s3r_stats.offload_episodes > 0, "the pool was meant to run short"
