@@ -51,6 +51,11 @@ class S3RConfig:
             requests' round (a mixed step, up to `prefill_chunk_size` prompt tokens), so new requests do not stall
             decoding. Mixed steps run eagerly (CUDA graphs cover pure decode steps) and queue no early launch.
             Off: any prompt left to prefill makes the step a prefill step that every decoding request waits for.
+        share_prompts (`bool`, defaults to `True`):
+            Requests whose prompts are identical (the `num_generations` responses of a GRPO prompt, or
+            `num_return_sequences`) and are prefilled in the same step compute the prompt once: the others copy its
+            K/V pages and index views and sample their first tokens from its logits. Exact: the same prompt gives
+            the same K/V, scores and first-token distribution.
         concurrency_min / concurrency_max (`int`, defaults to 160 / 256):
             AIMD bounds `(C_min, C_max)` on concurrently running requests.
         concurrency_step (`int`, defaults to 5):
@@ -101,6 +106,7 @@ class S3RConfig:
     kv_memory_fraction: float = 0.8
     prefill_chunk_size: int = 2048
     mixed_steps: bool = False
+    share_prompts: bool = True
     concurrency_min: int = 160
     concurrency_max: int = 256
     concurrency_step: int = 5
@@ -135,7 +141,9 @@ class S3RConfig:
         _check_float(self, "utilization_low", low=0.0, high=1.0)
         _check_float(self, "utilization_high", low=self.utilization_low, high=1.0)
         _check_int(self, "restore_backlog_threshold", low=0)
-        for name in ("adaptive", "mixed_steps", "cuda_graphs", "compile_layers", "keep_state", "return_logprobs"):
+        flags = ("adaptive", "mixed_steps", "share_prompts", "cuda_graphs", "compile_layers", "keep_state",
+                 "return_logprobs")
+        for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"S3RConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:

@@ -46,6 +46,14 @@ class Request:
     offloaded: OffloadedRequest | None = None
     # `len(prompt_ids)`, kept as a plain attribute: the scheduler reads it for every running request every step.
     prompt_len: int = field(init=False, default=0)
+    _prompt_key: bytes | None = field(init=False, default=None, repr=False)
+
+    @property
+    def prompt_key(self) -> bytes:
+        """The prompt's tokens as bytes (identical prompts, identical keys), made once."""
+        if self._prompt_key is None:
+            self._prompt_key = self.prompt_ids.numpy().tobytes()
+        return self._prompt_key
 
     @property
     def history(self) -> torch.Tensor:

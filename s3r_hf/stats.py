@@ -41,6 +41,7 @@ class S3RStats:
     accepted: int = 0
     committed: int = 0
     prefill_tokens: int = 0
+    shared_prompt_tokens: int = 0  # prompt tokens copied from an identical prompt prefilled in the same step
     offload_episodes: int = 0  # requests paused (KV moved to host memory) under KV pressure
     pages_offloaded: int = 0  # KV pages copied to host memory by those pauses
     pages_restored: int = 0  # and copied back when the requests resumed
@@ -219,6 +220,7 @@ class S3RStats:
             "accepted": self.accepted,
             "committed": self.committed,
             "prefill_tokens": self.prefill_tokens,
+            "shared_prompt_tokens": self.shared_prompt_tokens,
             "offload_episodes": self.offload_episodes,
             "pages_offloaded": self.pages_offloaded,
             "pages_restored": self.pages_restored,

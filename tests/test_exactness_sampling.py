@@ -113,6 +113,9 @@ def _sample(
         )
         sequences.append(out.sequences.cpu())
         stats = out.s3r_stats
+        # Every row has the same prompt: all but one per prefill step copy it (`S3RConfig.share_prompts`), so the
+        # distribution tested is the one with shared prompts.
+        assert stats.shared_prompt_tokens > 0
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
         for i, (d, a) in enumerate(zip(stats.position_drafted, stats.position_accepted)):
             position_drafted[i] += d

@@ -136,6 +136,7 @@ class S3RGRPOTrainer(GRPOTrainer):
             metrics[f"s3r/num_accepted_tokens_per_pos_{position}"].append(float(count))
         for position, rate in enumerate(stats.per_position_acceptance):
             metrics[f"s3r/acceptance_position_{position + 1}"].append(rate)
+        metrics["s3r/shared_prompt_tokens"].append(float(stats.shared_prompt_tokens))
         metrics["s3r/peak_kv_pages"].append(float(stats.peak_kv_pages))
         metrics["s3r/offload_episodes"].append(float(stats.offload_episodes))
         metrics["s3r/pages_moved_per_1k_tokens"].append(stats.pages_moved_per_1k_tokens)

@@ -249,6 +249,26 @@ class S3RCache(Cache):
     def utilization(self) -> float:
         return self.allocator.num_used / self.allocator.num_pages
 
+    def copy_prefix(self, pairs: list[tuple[int, int]], length: int | list[int]) -> None:
+        """For each `(source, target)` slot pair, copy the source's K/V of positions `[0, length)` (one length for all,
+        or one per pair) into the target's reserved pages, whole pages at a time, and set the target's length. The
+        target's positions past `length` in its last page hold the source's values until they are written."""
+        lengths = [length] * len(pairs) if isinstance(length, int) else length
+        source, target = [], []
+        for (src, dst), size in zip(pairs, lengths):
+            pages = self.pages_for(size)
+            if len(self.page_lists[dst]) < pages:
+                raise ValueError(f"slot {dst}: {len(self.page_lists[dst])} pages reserved, {pages} needed")
+            source += self.page_lists[src][:pages]
+            target += self.page_lists[dst][:pages]
+        if source:
+            src_index, dst_index = to_device(source, self.device), to_device(target, self.device)
+            for layer in self.layers:
+                layer.keys.index_copy_(0, dst_index, layer.keys.index_select(0, src_index))
+                layer.values.index_copy_(0, dst_index, layer.values.index_select(0, src_index))
+        for (_, dst), size in zip(pairs, lengths):
+            self.lengths[dst] = size
+
     # ---------------------------------------------------------------- offload
     def offload(self, slot: int) -> OffloadedRequest:
         """Copy a slot's K/V to host memory and free its pages; the slot itself stays reserved. Only the pages that

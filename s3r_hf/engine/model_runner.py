@@ -125,6 +125,7 @@ class ModelRunner:
         logits = self.forward(chunks.tokens, plan, keep=self.tensor(chunks.last_rows))
         chunks.done(self.cache)
         self.stats.prefill_tokens += chunks.num_tokens
+        self.stats.shared_prompt_tokens += chunks.shared_tokens
         return plan, chunks.finals, chunks.finished, logits
 
     def prompt_chunks(self, requests: list[Request], only_if_fits: bool = False) -> PromptChunks | None:
@@ -299,6 +300,7 @@ class ModelRunner:
             logits, prompt_logits = logits[:verify_rows], logits[verify_rows:]
             prompts.done(self.cache)
             self.stats.prefill_tokens += prompts.num_tokens
+            self.stats.shared_prompt_tokens += prompts.shared_tokens
         rows, histories = [], []
         if not self.sampling.logits_processor.history_free:
             histories = [

@@ -1,5 +1,11 @@
 """`PromptChunks`: the next prompt chunks of a step, as dense segments on the host. A prefill step runs them alone; a
-mixed step appends them to the round's verify blocks in the same forward."""
+mixed step appends them to the round's verify blocks in the same forward.
+
+With `S3RConfig.share_prompts`, a request that has not begun its prompt while another with the identical prompt (a
+*leader*) prefills it waits, and becomes a *follower* in the step that finishes the leader's prompt: it takes no
+chunk, costs no prompt tokens of the step's budget, and after the forward copies the leader's K/V pages. It finishes
+its prompt in that step, with the leader's segment (its first index views come from the leader's scores) and the
+leader's last-token logits (its first token is its own sample from them)."""
 
 from __future__ import annotations
 
@@ -27,11 +33,19 @@ class PromptChunk:
 
 
 class PromptChunks:
-    """Chunks of `prefill_chunk_size` prompt tokens at most, in request order. A final chunk's last `draft_len + 1`
-    queries are scored: their top-K builds the prompt's first index views."""
+    """Chunks of `prefill_chunk_size` prompt tokens at most, in request order, and the followers of whole-prompt
+    chunks (`followers`: each request with its leader's chunk index). A final chunk's last `draft_len + 1` queries
+    are scored: their top-K builds the prompt's first index views."""
 
-    def __init__(self, chunks: list[PromptChunk], cache: S3RCache, config: S3RConfig) -> None:
+    def __init__(
+        self,
+        chunks: list[PromptChunk],
+        cache: S3RCache,
+        config: S3RConfig,
+        followers: list[tuple[Request, int]] | None = None,
+    ) -> None:
         self.chunks = chunks
+        self.followers = followers or []
         block = config.draft_len + 1
         lengths = [c.end - c.start for c in chunks]
         self.tokens = torch.cat([c.request.prompt_ids[c.start : c.end] for c in chunks])
@@ -49,8 +63,10 @@ class PromptChunks:
         self.max_scored_queries = max(
             (length - first for length, first in zip(lengths, self.score_starts) if first >= 0), default=0
         )
-        self.finals = [i for i, c in enumerate(chunks) if c.final]  # chunk index of each prompt finished here
-        self.finished = [chunks[i].request for i in self.finals]
+        # The chunk (segment) index of each prompt finished here, a follower's being its leader's.
+        self.finals = [i for i, c in enumerate(chunks) if c.final] + [leader for _, leader in self.followers]
+        self.finished = [chunks[i].request for i in self.finals[: len(self.finals) - len(self.followers)]]
+        self.finished += [follower for follower, _ in self.followers]
         self.last_rows = [self.cu_seqlens[i + 1] - 1 for i in self.finals]  # their last tokens' rows
 
     @classmethod
@@ -63,23 +79,50 @@ class PromptChunks:
     ) -> PromptChunks | None:
         """The next chunks of `requests` in order, while the budget lasts and `reserve(request, end)` gets the pages
         of a chunk (a chunk that does not fit ends the step's chunks); None when no chunk is taken."""
-        budget, chunks = config.prefill_chunk_size, []
+        budget, chunks, followers = config.prefill_chunk_size, [], []
+        share = config.share_prompts
+        # Prompts some request has begun to prefill: a request with the same prompt that has not begun waits to copy
+        # it, and follows the leader in the step that finishes it (`leaders`: prompt -> chunk index).
+        started = {r.prompt_key for r in requests if share and r.prefilled > 0}
+        leaders: dict[bytes, int] = {}
         for request in requests:
-            if budget == 0:
-                break
+            fresh = share and request.prefilled == 0
+            if fresh and request.prompt_key in leaders:
+                if not reserve(request, request.prompt_len):
+                    break
+                followers.append((request, leaders[request.prompt_key]))
+                continue
+            if (fresh and request.prompt_key in started) or budget == 0:
+                continue  # it waits for its leader; later requests may still follow one of this step
             end = min(request.prompt_len, request.prefilled + budget)
             if not reserve(request, end):
                 break
             budget -= end - request.prefilled
+            if share:
+                if end == request.prompt_len:
+                    leaders[request.prompt_key] = len(chunks)
+                else:
+                    started.add(request.prompt_key)
             chunks.append(PromptChunk(request, request.prefilled, end))
-        return cls(chunks, cache, config) if chunks else None
+        return cls(chunks, cache, config, followers) if chunks else None
 
     @property
     def num_tokens(self) -> int:
         return self.cu_seqlens[-1]
 
+    @property
+    def shared_tokens(self) -> int:
+        """Prompt tokens the followers copy instead of computing."""
+        return sum(follower.prompt_len for follower, _ in self.followers)
+
     def done(self, cache: S3RCache) -> None:
-        """After the forward: the chunks' K/V are in the cache."""
+        """After the forward: the chunks' K/V are in the cache; the followers copy their leaders'."""
         for chunk in self.chunks:
             chunk.request.prefilled = chunk.end
             cache.set_length(chunk.request.slot, chunk.end)
+        if self.followers:
+            pairs = [(self.chunks[leader].request.slot, follower.slot) for follower, leader in self.followers]
+            cache.copy_prefix(pairs, [follower.prompt_len for follower, _ in self.followers])
+            for follower, _ in self.followers:
+                follower.prefilled = follower.prompt_len
+
