@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=3072)
     parser.add_argument("--acceptance", type=float, default=0.93, help="forced acceptance per position (NOT exact)")
     parser.add_argument("--pool-fraction", type=float, default=0.5, help="pool / the ample run's peak KV pages")
+    parser.add_argument("--pool-pages", type=int, default=None, help="the pool in pages (instead of --pool-fraction)")
     parser.add_argument("--concurrency-min", type=int, default=160)
     parser.add_argument("--concurrency-max", type=int, default=256)
     parser.add_argument("--fixed", default="128,160,256", help="fixed concurrency limits to run with offload")
@@ -136,11 +137,12 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(f"ample pool, fixed limit {high}: sizing and warm-up", highlight=False)
     ample = run(model, batch, common, replace(base, concurrency_min=high, concurrency_max=high), "s3r",
                 args.acceptance, args.seed)
-    num_pages = max(1, round(args.pool_fraction * ample["peak_kv_pages"]))
+    num_pages = args.pool_pages or max(1, round(args.pool_fraction * ample["peak_kv_pages"]))
     result = {"model": args.model, "dtype": args.dtype, "requests": args.requests, "prompt_len": args.prompt_len,
               "max_new_tokens": args.max_new_tokens, "mean_length_aimed": args.mean_length,
               "acceptance_forced": args.acceptance, "adaptive": args.adaptive, "peak_pages": ample["peak_kv_pages"],
-              "pool_fraction": args.pool_fraction, "num_pages": num_pages, "runs": {"S3R ample pool": ample}}
+              "pool_fraction": num_pages / ample["peak_kv_pages"], "num_pages": num_pages,
+              "runs": {"S3R ample pool": ample}}
     for name, mode, overrides in runs(args):
         config = replace(base, num_pages=num_pages, **overrides)
         console.print(f"{name}: pool {num_pages} pages", highlight=False)
