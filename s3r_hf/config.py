@@ -52,10 +52,11 @@ class S3RConfig:
             decoding. Mixed steps run eagerly (CUDA graphs cover pure decode steps) and queue no early launch.
             Off: any prompt left to prefill makes the step a prefill step that every decoding request waits for.
         share_prompts (`bool`, defaults to `True`):
-            Requests whose prompts are identical (the `num_generations` responses of a GRPO prompt, or
-            `num_return_sequences`) and are prefilled in the same step compute the prompt once: the others copy its
-            K/V pages and index views and sample their first tokens from its logits. Exact: the same prompt gives
-            the same K/V, scores and first-token distribution.
+            Compute each prompt once among requests with identical prompts (the `num_generations` responses of a
+            GRPO prompt, or `num_return_sequences`). A request whose prompt another running request is prefilling
+            waits and copies its K/V pages, index views and last-token logits (its first token is its own sample);
+            one whose prompt a running request already holds copies all but the last token and prefills that one.
+            Exact: the same prompt gives the same K/V and first-token distribution.
         concurrency_min / concurrency_max (`int`, defaults to 160 / 256):
             AIMD bounds `(C_min, C_max)` on concurrently running requests.
         concurrency_step (`int`, defaults to 5):

@@ -14,6 +14,7 @@ import s3r_hf
 from s3r_hf import S3RConfig
 from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.engine.concurrency import AIMDConcurrency
+from s3r_hf.engine.prompt_chunks import PromptChunks
 from s3r_hf.engine.scheduler import Scheduler
 from s3r_hf.request import Request, RequestStatus
 from s3r_hf.stats import S3RStats
@@ -142,10 +143,20 @@ def test_greedy_output_equals_dense_while_the_limit_moves(adaptive):
     assert stats.pages_moved_per_1k_tokens == pytest.approx(2000 * stats.pages_offloaded / stats.committed)
 
 
-def test_sampled_output_follows_the_dense_distribution_while_the_limit_moves():
+def test_sampled_output_follows_the_dense_distribution_while_the_limit_moves(monkeypatch):
     """The G-test of test_exactness_sampling.py with a limit that backs off and grows again while 10,000 sampled
     requests queue for a pool that holds a few hundred at a time (requests are paused and restored too). The same
-    run with `s3r_mode="unverified"` rejects at p < 1e-12, so the test has power here too."""
+    run with `s3r_mode="unverified"` rejects at p < 1e-12, so the test has power here too. Requests admitted while
+    others run copy the prompt from a running donor (`PromptChunks.take`), so that path is tested here as well."""
+    copied = []
+    take = PromptChunks.take.__func__
+
+    def counting_take(cls, *args, **kwargs):
+        chunks = take(cls, *args, **kwargs)
+        copied.append(chunks.copied_tokens if chunks is not None else 0)
+        return chunks
+
+    monkeypatch.setattr(PromptChunks, "take", classmethod(counting_take))
     model = s3r_hf.enable(tiny_enumerable_model(VOCAB, seed=0, attention_gain=8.0, output_gain=8.0))
     prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(100))
     probs, _ = exact_continuation_distribution(model, prompt, NEW_TOKENS, sampling_warpers(temperature=1.0))
@@ -161,7 +172,7 @@ def test_sampled_output_follows_the_dense_distribution_while_the_limit_moves():
         limits = [limit for _, limit in out.s3r_stats.concurrency_trace]
         moved.append(min(limits) < 512 and any(b > a for a, b in zip(limits, limits[1:])))
         assert out.s3r_stats.offload_episodes > 0
-    assert all(moved)
+    assert all(moved) and sum(copied) > 0
     counts = count_continuations(torch.cat(sequences), PROMPT_LEN, VOCAB, NEW_TOKENS)
     for counted, expected in ((counts, probs), (counts.sum(dim=-1), probs.sum(dim=-1))):
         result = g_test(counted, expected)

@@ -96,3 +96,21 @@ def test_copy_prefix_copies_whole_pages_and_sets_lengths():
     cache.reserve(short, 4)
     with pytest.raises(ValueError, match=r"slot 2: 1 pages reserved, 3 needed"):
         cache.copy_prefix([(source, short)], 10)
+
+
+@pytest.mark.parametrize("mixed_steps", [False, True])
+def test_a_request_admitted_later_copies_a_running_donors_prompt(mixed_steps):
+    """Prompts X, Z, X under a limit of two: Z ends early at EOS, and the second X, admitted then, copies the first
+    X's prompt (still running) but its last token, which it prefills alone."""
+    model = s3r_hf.enable(tiny_model("llama", seed=3))
+    pair_ids, pair_mask = left_padded_batch([14, 9], seed=4)
+    free = model.generate(pair_ids, attention_mask=pair_mask, do_sample=False, max_new_tokens=24, pad_token_id=0)
+    x_run, z_run = free[0, 14:].tolist(), free[1, 14:].tolist()
+    eos = next(t for t in z_run[2:8] if t not in x_run)  # Z stops within its first tokens, X never
+    input_ids, attention_mask = pair_ids[[0, 1, 0]], pair_mask[[0, 1, 0]]
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=24, pad_token_id=0, eos_token_id=eos)
+    dense = model.generate(input_ids, **kwargs)
+    config = S3RConfig(**BASE, concurrency_min=2, concurrency_max=2, mixed_steps=mixed_steps)
+    out = model.generate(input_ids, s3r_config=config, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, dense)
+    assert out.s3r_stats.prefill_tokens == 14 + 9 + 1 and out.s3r_stats.shared_prompt_tokens == 13

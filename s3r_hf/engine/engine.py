@@ -148,11 +148,11 @@ class S3REngine:
                     phase_started, phase = self.timer.end_phase(phase, phase_started), step_phase
                 if step.kind == "prefill":
                     self.timer.step_ended()
-                    self._prefill_step(step.requests)
+                    self._prefill_step(step.requests, step.donors)
                     self.timer.interrupted()  # the interval around a prefill step is no round's cost
                 elif step.kind == "mixed":
                     with torch.profiler.record_function("s3r_hf.mixed_step"):
-                        self.mixed.run(step.requests, step.prefilling)
+                        self.mixed.run(step.requests, step.prefilling, step.donors)
                 else:
                     k = self.round.choose_draft_len(step.requests)
                     self.scheduler.make_room_for_round(step.requests, self.round.draft_count)
@@ -195,10 +195,10 @@ class S3REngine:
             logger.info(f"compiled {self.stats.compiled_graphs} graphs for new shapes in "
                         f"{self.stats.compile_seconds:.1f} s")
 
-    def _prefill_step(self, requests: list[Request]) -> None:
+    def _prefill_step(self, requests: list[Request], donors: dict[bytes, Request]) -> None:
         """Pack prompt chunks (up to `prefill_chunk_size` tokens); finished prompts sample their first token and
         build their first index views."""
-        plan, finals, finished, logits = self.runner.prefill_forward(requests)
+        plan, finals, finished, logits = self.runner.prefill_forward(requests, donors)
         self.first_tokens.commit(plan, finals, finished, logits)
 
     # ---------------------------------------------------------------- used by the assisted-decoding generator

@@ -35,13 +35,14 @@ class MixedStep:
         self.timer = timer
         self.steps = 0
 
-    def run(self, decoding: list[Request], prefilling: list[Request]) -> None:
+    def run(self, decoding: list[Request], prefilling: list[Request], donors: dict[bytes, Request]) -> None:
         """One round of `decoding` (pauses under KV pressure may shorten it), packed with the prompt chunks of
-        `prefilling` that fit in the pages the round leaves free (none fit: a plain round)."""
+        `prefilling` that fit in the pages the round leaves free (none fit: a plain round); `donors`: prompts the
+        new requests may copy (`PromptChunks.take`; one paused meanwhile is skipped)."""
         k = self.round.choose_draft_len(decoding)
         self.scheduler.make_room_for_round(decoding, self.round.draft_count)
         still_running = [r for r in prefilling if r.status is RequestStatus.RUNNING]
-        prompts = self.runner.prompt_chunks(still_running, only_if_fits=True)
+        prompts = self.runner.prompt_chunks(still_running, only_if_fits=True, donors=donors)
         # The step after a mixed step is planned afresh: no early launch is queued behind one.
         self.round.may_launch_early = prompts is None and not self.timer.stages
         verified = self.round.run(decoding, k, prompts)

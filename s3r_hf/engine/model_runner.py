@@ -102,13 +102,13 @@ class ModelRunner:
         return to_device(values, self.device, torch.int32)
 
     # ---------------------------------------------------------------- prefill
-    def prefill_forward(self, requests: list[Request]):
-        """One packed forward over the next prompt chunks of `requests`.
+    def prefill_forward(self, requests: list[Request], donors: dict[bytes, Request] | None = None):
+        """One packed forward over the next prompt chunks of `requests` (`donors`: see `PromptChunks.take`).
 
         Returns the plan, the segment index and request of every prompt finished by this step, and the logits
         of those prompts' last tokens.
         """
-        chunks = self.prompt_chunks(requests)
+        chunks = self.prompt_chunks(requests, donors=donors)
         dense = DenseSegments(
             query_index=None,
             cu_seqlens=self.int32(chunks.cu_seqlens),
@@ -128,7 +128,9 @@ class ModelRunner:
         self.stats.shared_prompt_tokens += chunks.shared_tokens
         return plan, chunks.finals, chunks.finished, logits
 
-    def prompt_chunks(self, requests: list[Request], only_if_fits: bool = False) -> PromptChunks | None:
+    def prompt_chunks(
+        self, requests: list[Request], only_if_fits: bool = False, donors: dict[bytes, Request] | None = None
+    ) -> PromptChunks | None:
         """The next prompt chunks of `requests` (`S3RConfig.prefill_chunk_size` tokens at most), their pages
         reserved. A prefill step must fit (`S3RCache.reserve` raises otherwise); a mixed step (`only_if_fits`) takes
         the chunks that fit in the pages its round left free, possibly none."""
@@ -138,7 +140,7 @@ class ModelRunner:
             self.cache.reserve(request.slot, end)
             return True
 
-        return PromptChunks.take(requests, self.cache, self.config, reserve)
+        return PromptChunks.take(requests, self.cache, self.config, reserve, donors)
 
     # ---------------------------------------------------------------- drafts
     def draft(

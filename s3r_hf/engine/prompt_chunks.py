@@ -5,7 +5,12 @@ With `S3RConfig.share_prompts`, a request that has not begun its prompt while an
 *leader*) prefills it waits, and becomes a *follower* in the step that finishes the leader's prompt: it takes no
 chunk, costs no prompt tokens of the step's budget, and after the forward copies the leader's K/V pages. It finishes
 its prompt in that step, with the leader's segment (its first index views come from the leader's scores) and the
-leader's last-token logits (its first token is its own sample from them)."""
+leader's last-token logits (its first token is its own sample from them).
+
+A request whose prompt a running request already holds whole (a *donor*: its leader finished the prompt in an earlier
+step, as when requests are admitted one by one as others finish) copies all of it but the last token from the donor
+before the forward and prefills that token alone. Its first index views then come from one query's scores instead of
+`draft_len + 1`: which positions the drafter reads changes acceptance only, never the samples."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import torch
 
 from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.config import S3RConfig
-from s3r_hf.request import Request
+from s3r_hf.request import Request, RequestStatus
 
 
 @dataclass
@@ -35,7 +40,7 @@ class PromptChunk:
 class PromptChunks:
     """Chunks of `prefill_chunk_size` prompt tokens at most, in request order, and the followers of whole-prompt
     chunks (`followers`: each request with its leader's chunk index). A final chunk's last `draft_len + 1` queries
-    are scored: their top-K builds the prompt's first index views."""
+    are scored: their top-K builds the prompt's first index views (a prompt copied from a donor has one query)."""
 
     def __init__(
         self,
@@ -43,9 +48,11 @@ class PromptChunks:
         cache: S3RCache,
         config: S3RConfig,
         followers: list[tuple[Request, int]] | None = None,
+        copied_tokens: int = 0,
     ) -> None:
         self.chunks = chunks
         self.followers = followers or []
+        self.copied_tokens = copied_tokens  # prompt tokens copied from donors before the forward
         block = config.draft_len + 1
         lengths = [c.end - c.start for c in chunks]
         self.tokens = torch.cat([c.request.prompt_ids[c.start : c.end] for c in chunks])
@@ -76,11 +83,17 @@ class PromptChunks:
         cache: S3RCache,
         config: S3RConfig,
         reserve: Callable[[Request, int], bool],
+        donors: dict[bytes, Request] | None = None,
     ) -> PromptChunks | None:
         """The next chunks of `requests` in order, while the budget lasts and `reserve(request, end)` gets the pages
-        of a chunk (a chunk that does not fit ends the step's chunks); None when no chunk is taken."""
-        budget, chunks, followers = config.prefill_chunk_size, [], []
+        of a chunk (a chunk that does not fit ends the step's chunks); None when no chunk is taken.
+
+        `donors`: running requests whose whole prompt is in the cache, by prompt. A request that has not begun a
+        prompt a donor holds copies all of it but its last token from the donor now, and prefills that token alone
+        (its logits give the first token, its scores the first index views)."""
+        budget, chunks, followers, copied = config.prefill_chunk_size, [], [], 0
         share = config.share_prompts
+        donors = donors if share and donors else {}
         # Prompts some request has begun to prefill: a request with the same prompt that has not begun waits to copy
         # it, and follows the leader in the step that finishes it (`leaders`: prompt -> chunk index).
         started = {r.prompt_key for r in requests if share and r.prefilled > 0}
@@ -92,8 +105,17 @@ class PromptChunks:
                     break
                 followers.append((request, leaders[request.prompt_key]))
                 continue
-            if (fresh and request.prompt_key in started) or budget == 0:
-                continue  # it waits for its leader; later requests may still follow one of this step
+            if budget == 0:
+                continue  # later requests may still follow a leader of this step
+            donor = donors.get(request.prompt_key) if fresh and request.prompt_len > 1 else None
+            if donor is not None and donor.status is RequestStatus.RUNNING:
+                if not reserve(request, request.prompt_len):
+                    break
+                cache.copy_prefix([(donor.slot, request.slot)], request.prompt_len - 1)
+                request.prefilled = request.prompt_len - 1
+                copied += request.prefilled
+            elif fresh and request.prompt_key in started:
+                continue  # it waits for its leader
             end = min(request.prompt_len, request.prefilled + budget)
             if not reserve(request, end):
                 break
@@ -104,7 +126,7 @@ class PromptChunks:
                 else:
                     started.add(request.prompt_key)
             chunks.append(PromptChunk(request, request.prefilled, end))
-        return cls(chunks, cache, config, followers) if chunks else None
+        return cls(chunks, cache, config, followers, copied) if chunks else None
 
     @property
     def num_tokens(self) -> int:
@@ -112,8 +134,8 @@ class PromptChunks:
 
     @property
     def shared_tokens(self) -> int:
-        """Prompt tokens the followers copy instead of computing."""
-        return sum(follower.prompt_len for follower, _ in self.followers)
+        """Prompt tokens copied instead of computed: from donors, and by the followers."""
+        return self.copied_tokens + sum(follower.prompt_len for follower, _ in self.followers)
 
     def done(self, cache: S3RCache) -> None:
         """After the forward: the chunks' K/V are in the cache; the followers copy their leaders'."""

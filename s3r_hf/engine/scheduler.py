@@ -28,6 +28,7 @@ class ScheduledStep:
     kind: str
     requests: list[Request]
     prefilling: list[Request] = field(default_factory=list)
+    donors: dict[bytes, Request] = field(default_factory=dict)  # running requests holding their whole prompt
 
 
 class Scheduler:
@@ -61,9 +62,11 @@ class Scheduler:
         if not prefilling:
             return ScheduledStep("decode", self.running)
         decoding = [r for r in self.running if r.prefilled == r.prompt_len]
+        # Prompts the new requests may copy (`S3RConfig.share_prompts`, `PromptChunks.take`).
+        donors = {r.prompt_key: r for r in decoding} if self.config.share_prompts else {}
         if self.config.mixed_steps and decoding:
-            return ScheduledStep("mixed", decoding, prefilling)
-        return ScheduledStep("prefill", prefilling)
+            return ScheduledStep("mixed", decoding, prefilling, donors)
+        return ScheduledStep("prefill", prefilling, donors=donors)
 
     def finish_step(self) -> None:
         """Release the slots of requests that finished, and let the concurrency limit react to the step."""
