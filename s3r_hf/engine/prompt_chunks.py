@@ -147,4 +147,3 @@ class PromptChunks:
             cache.copy_prefix(pairs, [follower.prompt_len for follower, _ in self.followers])
             for follower, _ in self.followers:
                 follower.prefilled = follower.prompt_len
-
