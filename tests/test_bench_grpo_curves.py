@@ -52,6 +52,9 @@ def test_two_steps_per_mode_and_seed_on_arithmetic_give_records_and_the_plot(tin
             assert row["step_seconds"] > 0 and row["generate_seconds"] > 0
         assert result["summary"]["steps"] == 2
     assert all("tau" in row for result in results if result["mode"] == "s3r" for row in result["steps"])
+    # The adaptive rule's per-bucket record comes with each S3R run (the rollouts of all its steps).
+    assert all(result["draft_policy"] and sum(b["rounds"] for b in result["draft_policy"]) > 0
+               for result in results if result["mode"] == "s3r")
     saved = json.loads(out.read_text())
     assert saved["settings"]["seeds"] == "1,2" and saved["settings"]["dataset"] == "arithmetic"
     assert len(saved["results"]) == 4

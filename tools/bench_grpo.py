@@ -377,6 +377,11 @@ def run_mode(args: argparse.Namespace, mode: str, seed: int) -> dict[str, Any]:
             if on_cuda:
                 result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
             result["steps"] = [step_record(e["step"], e) for e in trainer.state.log_history if "step_time" in e]
+            s3r_config = config.resolved_s3r_config()
+            if mode == "s3r" and s3r_config.adaptive:  # what the draft-length rule measured per bucket, all steps
+                from s3r_hf.runtime_state import adaptive_policy
+
+                result["draft_policy"] = adaptive_policy(model, s3r_config).report()
             del trainer, model
     except Exception as error:  # a failing mode is a result; the other modes still run
         result["status"] = "failed"
