@@ -15,6 +15,7 @@ import argparse
 import gc
 import itertools
 import json
+import math
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 from transformers.utils import logging
 
 from s3r_hf.bench_kernels import copy_bandwidth
-from s3r_hf.cache.s3r_cache import page_bytes
+from s3r_hf.cache.s3r_cache import kv_shape, page_bytes
 from s3r_hf.config import S3RConfig
 from s3r_hf.errors import UsageError
 from s3r_hf.generate import enable
@@ -109,6 +110,29 @@ def floor_ms(model: PreTrainedModel, batch: int, context: int, bandwidth: float)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_per_token = page_bytes(model.config, 1, model.dtype)
     return (weights + batch * context * kv_per_token) / bandwidth * 1e3
+
+
+def stage_floors_ms(
+    model: PreTrainedModel, batch: int, context: int, config: S3RConfig, bandwidth: float
+) -> dict[str, float]:
+    """Bandwidth floor of each stage of one S3R round (`--stages`), in ms: the bytes the stage must move at least,
+    over the copy bandwidth. draft: `draft_len` sparse passes, each reading the weights, the index views' K/V and the
+    views themselves; verify: the weights and every request's K/V (as a dense step); accept: the target and draft
+    scores `[batch, draft_len + 1, vocab]` in fp32; refresh: the reduced scores `[layers, batch, Hkv, context]` in
+    fp32, read once, and the new views written. Commit is host work and has none."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_per_token = page_bytes(model.config, 1, model.dtype)
+    layers, kv_heads, _ = kv_shape(model.config)
+    budget = config.budget(context)
+    view_bytes = batch * layers * kv_heads * budget * 4  # int32 positions
+    vocab = model.get_output_embeddings().weight.shape[0]
+    bytes_per_stage = {
+        "draft": config.draft_len * (weights + batch * budget * kv_per_token + view_bytes),
+        "verify": weights + batch * context * kv_per_token,
+        "accept": 2 * batch * (config.draft_len + 1) * vocab * 4,
+        "refresh": batch * layers * kv_heads * context * 4 + view_bytes,
+    }
+    return {stage: size / bandwidth * 1e3 for stage, size in bytes_per_stage.items()}
 
 
 def _sync(device: str) -> None:
@@ -213,6 +237,9 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
     _release_memory(device)
     ar = time_engine(model, input_ids, args.max_new_tokens, base, "ar", None, args.stages)
     point["engine_ar"] = {k: v for k, v in ar.items() if k != "sequences"}
+    context = seq + args.max_new_tokens // 2
+    if args.stages:  # a dense step is engine AR's verify stage
+        point["engine_ar"]["stage_floor_ms"] = {"verify": floor_ms(model, batch, context, bandwidth)}
     point["s3r"] = {}
     for ratio, interval in itertools.product(args.budget, args.refresh_interval):
         config = S3RConfig(**{**base.to_dict(), "budget_ratio": ratio, "refresh_interval": interval})
@@ -222,6 +249,8 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
             s3r.update(greedy_agreement(s3r["sequences"], ar["sequences"], input_ids.shape[1]))
         key = str(ratio) if interval == 1 else f"{ratio} r{interval}"  # r2: views refreshed every second round
         point["s3r"][key] = {k: v for k, v in s3r.items() if k != "sequences"}
+        if args.stages:
+            point["s3r"][key]["stage_floor_ms"] = stage_floors_ms(model, batch, context, config, bandwidth)
     if not args.skip_generate:  # the engine's numbers stand even if model.generate runs out of memory
         _release_memory(device)
         try:
@@ -252,7 +281,9 @@ def print_point(point: dict) -> None:
         print(f"  {label}: {r['graph_captures']} CUDA-graph captures, {r['graph_capture_s']:.2f} s (excluded)")
     for label, r in [("AR", ar)] + list(point["s3r"].items()):
         if r.get("stage_ms_per_step"):
-            parts = ", ".join(f"{stage} {ms:.2f}" for stage, ms in r["stage_ms_per_step"].items())
+            floors = r.get("stage_floor_ms", {})
+            parts = ", ".join(f"{stage} {ms:.2f}{_over_floor(ms, floors.get(stage))}"
+                              for stage, ms in r["stage_ms_per_step"].items())
             print(f"  {label} stages, ms per step (synchronized): {parts}")
     hf = point.get("hf_generate")
     if "hf_generate_error" in point:
@@ -269,6 +300,11 @@ def print_point(point: dict) -> None:
         print(f"{label:<18}{r['ms_per_step']:>10.2f}{r['tokens_per_s']:>12.0f}"
               f"{r['tokens_per_s'] / ar['tokens_per_s']:>8.2f}{vs_hf:>8.2f}{tau:>7.2f}{accept:>8.3f}"
               f"{rows_per_step:>7.1f}{match:>9}")
+
+
+def _over_floor(ms: float, floor: float | None) -> str:
+    """` (2.1x floor)` where the stage has a floor (on a GPU: the CPU run measures no bandwidth), else nothing."""
+    return f" ({ms / floor:.1f}x floor)" if floor is not None and math.isfinite(floor) and floor > 0 else ""
 
 
 def plot(points: list[dict], path: str) -> None:

@@ -24,6 +24,7 @@ def test_bench_runs_and_greedy_s3r_matches_ar(tmp_path, capsys):
         for run in point["s3r"].values():
             assert run["greedy_matches_ar"] is True
             assert set(run["stage_ms_per_step"]) == {"draft", "verify", "accept", "refresh", "commit"}
+            assert set(run["stage_floor_ms"]) == {"draft", "verify", "accept", "refresh"}
             assert 1.0 <= run["tau"] <= 4.0
         assert point["hf_generate"]["tokens_per_s"] > 0
     assert plot_path.stat().st_size > 0
@@ -66,3 +67,21 @@ def test_bench_refuses_fewer_requests_than_the_batch():
     with pytest.raises(ValueError, match=r"--requests \(2\) must be at least the batch size \(4\)"):
         main(["bench", "--model", "qwen3-tiny", "--batch", "4", "--requests", "2", "--seq", "16", "--device", "cpu",
               "--dtype", "float32", "--skip-generate"])
+
+
+def test_stage_floors_count_the_bytes_each_stage_must_move():
+    from s3r_hf.bench import build_model, stage_floors_ms
+    from s3r_hf.config import S3RConfig
+
+    model, _ = build_model("qwen3-tiny", torch.float32, "cpu")  # 2 layers, 2 KV heads of 16, vocab 512
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    kv_per_token = 2 * 2 * 2 * 16 * 4  # K and V, layers, KV heads, head dim, fp32
+    config = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=8)  # budget 10 of a 100-token context
+    views = 4 * 2 * 2 * 10 * 4  # int32 positions: batch, layers, KV heads, budget
+    floors = stage_floors_ms(model, batch=4, context=100, config=config, bandwidth=1e3)  # 1 KB/s: ms = bytes
+    assert floors == {
+        "draft": 3 * (weights + 4 * 10 * kv_per_token + views),
+        "verify": weights + 4 * 100 * kv_per_token,
+        "accept": 2 * 4 * 4 * 512 * 4,
+        "refresh": 4 * 2 * 2 * 100 * 4 + views,
+    }
