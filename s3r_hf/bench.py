@@ -107,9 +107,15 @@ def random_prompts(vocab: int, batch: int, seq: int) -> torch.Tensor:
 
 def floor_ms(model: PreTrainedModel, batch: int, context: int, bandwidth: float) -> float:
     """Bytes one dense decode step must read (all weights + every request's KV) over the copy bandwidth."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_per_token = page_bytes(model.config, 1, model.dtype)
-    return (weights + batch * context * kv_per_token) / bandwidth * 1e3
+    return _dense_step_bytes(model, batch, context) / bandwidth * 1e3
+
+
+def _weight_bytes(model: PreTrainedModel) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _dense_step_bytes(model: PreTrainedModel, batch: int, context: int) -> int:
+    return _weight_bytes(model) + batch * context * page_bytes(model.config, 1, model.dtype)
 
 
 def stage_floors_ms(
@@ -120,7 +126,7 @@ def stage_floors_ms(
     views themselves; verify: the weights and every request's K/V (as a dense step); accept: the target and draft
     scores `[batch, draft_len + 1, vocab]` in fp32; refresh: the reduced scores `[layers, batch, Hkv, context]` in
     fp32, read once, and the new views written. Commit is host work and has none."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = _weight_bytes(model)
     kv_per_token = page_bytes(model.config, 1, model.dtype)
     layers, kv_heads, _ = kv_shape(model.config)
     budget = config.budget(context)
@@ -128,7 +134,7 @@ def stage_floors_ms(
     vocab = model.get_output_embeddings().weight.shape[0]
     bytes_per_stage = {
         "draft": config.draft_len * (weights + batch * budget * kv_per_token + view_bytes),
-        "verify": weights + batch * context * kv_per_token,
+        "verify": _dense_step_bytes(model, batch, context),
         "accept": 2 * batch * (config.draft_len + 1) * vocab * 4,
         "refresh": batch * layers * kv_heads * context * 4 + view_bytes,
     }
@@ -216,9 +222,10 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
                   "MATH-style file with --data FILE or a `datasets` id with --dataset ID.")
     else:
         input_ids = random_prompts(model.config.vocab_size, requests, seq).to(device)
+    context = seq + args.max_new_tokens // 2  # where the floors are taken: the middle of the decoding
     point = {"model": name, "batch": batch, "requests": requests, "seq": seq, "max_new_tokens": args.max_new_tokens,
              "cuda_graphs": args.cuda_graphs, "compile_layers": args.compile_layers,
-             "floor_ms": floor_ms(model, batch, seq + args.max_new_tokens // 2, bandwidth),
+             "floor_ms": floor_ms(model, batch, context, bandwidth),
              "acceptance_forced": args.acceptance,
              "prompt_source": args.prompt_source if tokenizer is not None else "random tokens",
              "prompt_text_repeats": repeats}
@@ -237,9 +244,8 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
     _release_memory(device)
     ar = time_engine(model, input_ids, args.max_new_tokens, base, "ar", None, args.stages)
     point["engine_ar"] = {k: v for k, v in ar.items() if k != "sequences"}
-    context = seq + args.max_new_tokens // 2
     if args.stages:  # a dense step is engine AR's verify stage
-        point["engine_ar"]["stage_floor_ms"] = {"verify": floor_ms(model, batch, context, bandwidth)}
+        point["engine_ar"]["stage_floor_ms"] = {"verify": point["floor_ms"]}
     point["s3r"] = {}
     for ratio, interval in itertools.product(args.budget, args.refresh_interval):
         config = S3RConfig(**{**base.to_dict(), "budget_ratio": ratio, "refresh_interval": interval})

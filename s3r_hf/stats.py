@@ -41,7 +41,7 @@ class S3RStats:
     accepted: int = 0
     committed: int = 0
     prefill_tokens: int = 0
-    shared_prompt_tokens: int = 0  # prompt tokens copied from an identical prompt prefilled in the same step
+    shared_prompt_tokens: int = 0  # prompt tokens copied from another request's identical prompt, not computed
     offload_episodes: int = 0  # requests paused (KV moved to host memory) under KV pressure
     pages_offloaded: int = 0  # KV pages copied to host memory by those pauses
     pages_restored: int = 0  # and copied back when the requests resumed

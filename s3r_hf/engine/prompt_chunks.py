@@ -71,9 +71,9 @@ class PromptChunks:
             (length - first for length, first in zip(lengths, self.score_starts) if first >= 0), default=0
         )
         # The chunk (segment) index of each prompt finished here, a follower's being its leader's.
-        self.finals = [i for i, c in enumerate(chunks) if c.final] + [leader for _, leader in self.followers]
-        self.finished = [chunks[i].request for i in self.finals[: len(self.finals) - len(self.followers)]]
-        self.finished += [follower for follower, _ in self.followers]
+        finals = [i for i, c in enumerate(chunks) if c.final]
+        self.finals = finals + [leader for _, leader in self.followers]
+        self.finished = [chunks[i].request for i in finals] + [follower for follower, _ in self.followers]
         self.last_rows = [self.cu_seqlens[i + 1] - 1 for i in self.finals]  # their last tokens' rows
 
     @classmethod
@@ -108,17 +108,18 @@ class PromptChunks:
             if budget == 0:
                 continue  # later requests may still follow a leader of this step
             donor = donors.get(request.prompt_key) if fresh and request.prompt_len > 1 else None
-            if donor is not None and donor.status is RequestStatus.RUNNING:
-                if not reserve(request, request.prompt_len):
-                    break
-                cache.copy_prefix([(donor.slot, request.slot)], request.prompt_len - 1)
-                request.prefilled = request.prompt_len - 1
-                copied += request.prefilled
-            elif fresh and request.prompt_key in started:
+            if donor is not None and donor.status is not RequestStatus.RUNNING:
+                donor = None
+            if donor is None and fresh and request.prompt_key in started:
                 continue  # it waits for its leader
-            end = min(request.prompt_len, request.prefilled + budget)
+            start = request.prompt_len - 1 if donor is not None else request.prefilled
+            end = min(request.prompt_len, start + budget)
             if not reserve(request, end):
                 break
+            if donor is not None:  # all but the last token from the donor, before the forward
+                cache.copy_prefix([(donor.slot, request.slot)], start)
+                request.prefilled = start
+                copied += start
             budget -= end - request.prefilled
             if share:
                 if end == request.prompt_len:
