@@ -67,7 +67,8 @@
 #                prompts, 512 new tokens
 #   adaptive-tests  CUDA tests of adaptive draft lengths (greedy identity, G-test with k varying, graphs)
 #   rollout      a GRPO-shaped S3R generate call outside TRL (tools/probe_rollout.py): its time by phase, then one
-#                call profiled; fp32 then bf16 (PROBE_CONFIG overrides the S3RConfig JSON)
+#                call profiled; fp32 then bf16 (PROBE_DTYPES picks them, PROBE_CONFIG overrides the S3RConfig
+#                JSON, PROBE_ARGS adds options, e.g. "--calls 1 --max-new-tokens 256")
 #   layers       engine AR and S3R ms per step with the decoder layers eager, compiled per layer, compiled with
 #                max-autotune, and with liger-kernel's ops (tools/decode_layer_options.py; liger-kernel among the
 #                --wheels): SmolLM2 at B=64, S=4K, then the Qwen3-1.7B shape at B=64, S=8K (about 8 minutes)
@@ -306,8 +307,8 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
       | grep -v -i warn | tee "$OUT/kv_pressure.log" | tail -30
     ;;
   rollout)
-    for dtype in float32 bfloat16; do
-      timeout 200 python3 tools/probe_rollout.py --model "$smol" "${data_flag[@]}" --dtype $dtype --calls 2 \
+    for dtype in ${PROBE_DTYPES:-float32 bfloat16}; do
+      timeout 200 python3 tools/probe_rollout.py --model "$smol" "${data_flag[@]}" --dtype $dtype --calls 2 ${PROBE_ARGS:-} \
         --s3r-config "${PROBE_CONFIG:-{\"cuda_graphs\": true, \"compile_layers\": true\}}" > "$OUT/rollout_$dtype.log" 2>&1
       grep -v -i "warn\|loading\|convert\|writing" "$OUT/rollout_$dtype.log" | cut -c1-160 | tail -45
     done
