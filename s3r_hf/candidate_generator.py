@@ -19,7 +19,8 @@ from s3r_hf.engine import S3REngine, SamplingSetup
 from s3r_hf.generate_kwargs import check_generate_call
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.request import Request, RequestStatus
-from s3r_hf.runtime_state import runtime_for
+from s3r_hf.runtime_state import call_seed
+from s3r_hf.sampler import call_generators
 from s3r_hf.validation import (
     prompt_rows,
 )
@@ -56,18 +57,14 @@ class SparseSelfDraftCandidateGenerator(CandidateGenerator):
         self.cache = cache
         self.config = s3r_config
         self.generation_config = generation_config
-        generator = torch.Generator(device=cache.device)
-        if s3r_config.seed is not None:  # a stream of its own for each call and rank, as in `generate`
-            seed = runtime_for(model).call_seed(s3r_config.seed)
-        else:
-            seed = int(torch.randint(0, 2**62, (1,)).item())
-        generator.manual_seed(seed)
+        generator, draft_generator = call_generators(call_seed(model, s3r_config), cache.device)
         sampling = SamplingSetup(
             logits_processor=RaggedLogitsProcessor(logits_processor, batch_size=1),
             greedy=not generation_config.do_sample,
             eos_token_ids=set(),
             stopping_criteria=StoppingCriteriaList(),
             generator=generator,
+            draft_generator=draft_generator,
         )
         self.engine = S3REngine(model, s3r_config, sampling, cache)
         self.recorder = VerifyScoreRecorder(block_queries=s3r_config.draft_len + 1)

@@ -21,7 +21,8 @@ from s3r_hf.generate_kwargs import check_generate_call, stop_strings_as_criterio
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.model_session import hold
 from s3r_hf.request import Request
-from s3r_hf.runtime_state import ModelRuntime, adaptive_policy, runtime_for
+from s3r_hf.runtime_state import ModelRuntime, adaptive_policy, call_seed, runtime_for
+from s3r_hf.sampler import call_generators
 from s3r_hf.stats import S3RStats
 from s3r_hf.stopping import BatchStopping
 from s3r_hf.validation import (
@@ -94,11 +95,7 @@ def generate(
 
     device = model.device
     greedy = not generation_config.do_sample
-    generator = torch.Generator(device=device)
-    if config.seed is not None:  # a stream of its own for each call and rank (`ModelRuntime.call_seed`)
-        generator.manual_seed(runtime_for(model).call_seed(config.seed))
-    else:  # follow torch's global seed, as `generate` does
-        generator.manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+    generator, draft_generator = call_generators(call_seed(model, config), device)
 
     eos = generation_config._eos_token_tensor
     eos_ids = set(eos.flatten().tolist()) if eos is not None else set()
@@ -124,6 +121,7 @@ def generate(
         eos_token_ids=eos_ids,
         stopping_criteria=stopping,
         generator=generator,
+        draft_generator=draft_generator,
         output_scores=output_scores,
         output_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )

@@ -211,6 +211,14 @@ def runtime_for(model: torch.nn.Module) -> ModelRuntime:
         return runtime
 
 
+def call_seed(model: PreTrainedModel, config: S3RConfig) -> int:
+    """The seed of a `generate` call's random streams: `config.seed`'s stream for this call and rank
+    (`ModelRuntime.call_seed`), else one drawn from torch's global generator, as `generate` follows its seed."""
+    if config.seed is not None:
+        return runtime_for(model).call_seed(config.seed)
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
 def adaptive_policy(model: torch.nn.Module, config: S3RConfig) -> AdaptiveDraftLength:
     """The model's adaptive draft-length rule for `config.draft_len`, kept across calls."""
     return runtime_for(model).policy(config.draft_len)

@@ -49,8 +49,11 @@ def test_rollout_runs_every_mode_on_a_random_shape(tmp_path, capsys):
         if mode in ENGINE_MODES:
             check_engine_counts(mode, run["calls"], 4, 3)
             assert {"warm_prefill_s", "warm_decode_s", "warm_graph_capture_s", "tau"} <= set(summary)
-            by_rows = summary["warm_decode_by_rows"]  # four rows decode together to the end
-            assert list(by_rows) == ["4"] and by_rows["4"]["tokens"] == 4 * 10 - 4  # the first tokens come in prefill
+            # Four rows decode together until requests reach max_new_tokens, which drafting ones may do at
+            # different rounds; every token after the first (sampled in prefill) is counted once.
+            by_rows = summary["warm_decode_by_rows"]
+            assert list(by_rows)[0] == "4" and set(by_rows) <= {"4", "2", "1"}
+            assert sum(bucket["tokens"] for bucket in by_rows.values()) == 4 * 10 - 4
     assert point["modes"]["s3r-fixed"]["summary"]["num_drafts"] > 0
     assert set(point["ratios"]["s3r-adaptive"]) == {"warm_vs_ar", "cold_vs_ar", "warm_vs_generate", "cold_vs_generate"}
     assert plot_path.stat().st_size > 0

@@ -182,9 +182,11 @@ class ModelRunner:
         slots = self.tensor([r.slot for r in requests])
         inputs = DraftInputs(pending, committed, counts, slots, tables, noise=None)
         if self.graphs is not None and self.graphs.supports_draft_phase(len(requests)):
-            return self.graphs.run_draft_phase(self.draft_phase, inputs, self.sampling.generator, passes=round_k)
+            return self.graphs.run_draft_phase(
+                self.draft_phase, inputs, self.sampling.draft_noise_generator, passes=round_k
+            )
         noise = self.draft_phase.noise_buffer(len(requests), self.device)
-        inputs.noise = None if noise is None else draw_noise(noise, self.sampling.generator)
+        inputs.noise = None if noise is None else draw_noise(noise, self.sampling.draft_noise_generator)
         return self.draft_phase(inputs, view_width, passes=passes)
 
     def draft_pass(
@@ -226,7 +228,7 @@ class ModelRunner:
         history_free = self.sampling.logits_processor.history_free
         histories = [] if history_free else [r.tokens[: r.length + step] for r in requests]
         scores = self.sampling.logits_processor([r.row for r in requests], histories, logits)
-        drafts = sample_from_scores(scores, self.sampling.greedy, self.sampling.generator)
+        drafts = sample_from_scores(scores, self.sampling.greedy, self.sampling.draft_noise_generator)
         draft_tokens[index, step] = drafts
         draft_scores[index, step] = scores
         if not history_free:

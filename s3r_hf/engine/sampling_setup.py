@@ -19,6 +19,11 @@ class SamplingSetup:
     greedy: bool
     eos_token_ids: set[int]
     stopping_criteria: StoppingCriteriaList | BatchStopping  # criteria other than max length and EOS, fed whole steps
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # verification: acceptance coins, corrections and first tokens
     output_scores: bool = False
     output_logits: bool = False
+    draft_generator: torch.Generator | None = None  # the drafts' noise (`sampler.call_generators`); else `generator`
+
+    @property
+    def draft_noise_generator(self) -> torch.Generator | None:
+        return self.draft_generator if self.draft_generator is not None else self.generator
