@@ -180,11 +180,11 @@ def test_sampled_output_follows_the_dense_distribution_while_the_limit_moves(mon
 
 
 # ---------------------------------------------------------------- restores and admissions leave headroom
-def _running_request(cache: S3RCache, row: int, tokens: int) -> Request:
+def _running_request(cache: S3RCache, row: int, tokens: int, max_new_tokens: int = 64) -> Request:
     """A request whose `tokens` prompt tokens are all in the cache (it decodes next)."""
     prompt = torch.arange(3, 3 + tokens)
-    request = Request(row=row, prompt_ids=prompt, tokens=torch.zeros(tokens + 64, dtype=torch.long), length=tokens,
-                      max_new_tokens=32, status=RequestStatus.RUNNING)
+    request = Request(row=row, prompt_ids=prompt, tokens=torch.zeros(tokens + max_new_tokens + 8, dtype=torch.long),
+                      length=tokens, max_new_tokens=max_new_tokens, status=RequestStatus.RUNNING)
     request.tokens[:tokens] = prompt
     request.prefilled = request.committed = tokens
     request.slot = cache.add_request()
@@ -193,15 +193,18 @@ def _running_request(cache: S3RCache, row: int, tokens: int) -> Request:
     return request
 
 
-def _scheduler_with_paused(tokens_running: int | None, tokens_paused: int) -> tuple[Scheduler, Request]:
-    """A pool of 40 pages of 4 tokens, `utilization_low` 0.5; one running request (if any), one paused."""
+def _scheduler_with_paused(
+    tokens_running: int | None, tokens_paused: int, max_new_tokens: int = 64
+) -> tuple[Scheduler, Request]:
+    """A pool of 40 pages of 4 tokens, `utilization_low` 0.5; one running request (if any), one paused, each with
+    `max_new_tokens` (64: together they do not fit at their longest)."""
     config = S3RConfig(page_size=4, num_pages=40, draft_len=3, concurrency_min=1, concurrency_max=4,
                        utilization_low=0.5, utilization_high=0.6)
     cache = S3RCache(tiny_model("llama").config, num_pages=40, page_size=4, max_requests=4)
     scheduler = Scheduler(cache, config, S3RStats())
     if tokens_running is not None:
-        scheduler.running.append(_running_request(cache, 0, tokens_running))
-    paused = _running_request(cache, 1, tokens_paused)
+        scheduler.running.append(_running_request(cache, 0, tokens_running, max_new_tokens))
+    paused = _running_request(cache, 1, tokens_paused, max_new_tokens)
     paused.offloaded, paused.status = cache.offload(paused.slot), RequestStatus.PAUSED
     scheduler.paused.append(paused)
     return scheduler, paused
@@ -221,21 +224,32 @@ def test_a_paused_request_comes_back_only_with_headroom_for_the_running_ones():
     assert not scheduler.paused and paused in scheduler.running and scheduler.stats.pages_restored == 5
 
 
+def test_a_paused_request_comes_back_without_headroom_when_both_fit_at_their_longest():
+    # The same pages as above, but 8 new tokens each: 60 + 8 + 4 and 20 + 8 + 4 tokens, 18 + 8 pages at their
+    # longest, fit the 40 pages, so restoring it can never pause anyone.
+    scheduler, paused = _scheduler_with_paused(60, 20, max_new_tokens=8)
+    scheduler.schedule()
+    assert not scheduler.paused and paused in scheduler.running
+
+
 def test_with_nothing_running_a_paused_request_comes_back_if_it_fits_at_all():
     scheduler, paused = _scheduler_with_paused(None, 120)  # 31 pages with its next round: above half, below all
     scheduler.schedule()
     assert scheduler.running == [paused] and paused.status is RequestStatus.RUNNING
 
 
-def test_new_requests_are_admitted_up_to_utilization_low_while_others_run():
+@pytest.mark.parametrize("max_new_tokens, admitted", [(16, 5), (4, 6)])
+def test_new_requests_are_admitted_up_to_utilization_low_while_others_run(max_new_tokens, admitted):
+    """With 16 new tokens each the six do not fit at their longest (8 pages each), so admissions stop at half the
+    pool; with 4 (5 pages each, 30 in all) no pause can follow, and all six come in."""
     config = S3RConfig(page_size=4, num_pages=40, draft_len=3, concurrency_min=8, concurrency_max=8,
                        utilization_low=0.5, utilization_high=0.6)
     cache = S3RCache(tiny_model("llama").config, num_pages=40, page_size=4, max_requests=8)
     scheduler = Scheduler(cache, config, S3RStats())
     # Six waiting prompts of 12 tokens: 4 pages each with their first round.
     waiting = [Request(row=row, prompt_ids=torch.arange(3, 15), tokens=torch.zeros(64, dtype=torch.long),
-                       length=12, max_new_tokens=16) for row in range(6)]
+                       length=12, max_new_tokens=max_new_tokens) for row in range(6)]
     scheduler.add(waiting)
     step = scheduler.schedule()
-    assert step.kind == "prefill" and len(scheduler.running) == 5  # 5 x 4 = 20 pages: half the pool
-    assert len(scheduler.waiting) == 1
+    assert step.kind == "prefill" and len(scheduler.running) == admitted  # 5 x 4 = 20 pages: half the pool
+    assert len(scheduler.waiting) == 6 - admitted

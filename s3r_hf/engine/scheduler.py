@@ -103,17 +103,21 @@ class Scheduler:
         While other requests run, a request comes in only if the pool stays at or below `utilization_low` with its
         pages taken: the running requests grow every round, and a request brought into the last free pages would
         push the pool over within a few rounds, pausing one of them (often the request just restored) and moving
-        its pages twice more.
+        its pages twice more. That headroom is not kept where it cannot be needed: if the running requests and the
+        new one all fit at their longest (`Request.peak_kv_tokens`), nothing will ever be paused, and the request
+        comes in whenever its pages are free (a pool sized for the whole batch runs the whole batch at once).
         """
         running, paused, waiting = self.running, self.paused, self.waiting
         promised = sum(
             max(0, self.pages_needed_for_prompt(r) - self.cache.pages_held(r.slot))
             for r in running if r.prefilled < r.prompt_len
         )
+        peaks = sum(self.peak_pages(r) for r in running)
         while paused and len(running) < self.concurrency.limit:
             request = paused[0]
-            if not self._fits(self.pages_needed(request), promised):
+            if not self._fits(request, self.pages_needed(request), promised, peaks):
                 break
+            peaks += self.peak_pages(request)
             paused.popleft()
             self.stats.pages_restored += request.offloaded.num_pages
             self.cache.restore(request.slot, request.offloaded)
@@ -125,19 +129,27 @@ class Scheduler:
         while waiting and len(running) < self.concurrency.limit:
             request = waiting[0]
             needed = self.pages_needed_for_prompt(request)
-            if not self._fits(needed, promised):
+            if not self._fits(request, needed, promised, peaks):
                 break
             promised += needed
+            peaks += self.peak_pages(request)
             waiting.popleft()
             request.slot = self.cache.add_request()
             request.status = RequestStatus.RUNNING
             running.append(request)
 
-    def _fits(self, needed: int, promised: int) -> bool:
-        """Whether a request needing `needed` more pages may come in, `promised` pages being spoken for already."""
+    def peak_pages(self, request: Request) -> int:
+        """Pages the request holds at its longest."""
+        return self.cache.pages_for(request.peak_kv_tokens(self.config.draft_len))
+
+    def _fits(self, request: Request, needed: int, promised: int, peaks: int) -> bool:
+        """Whether `request`, needing `needed` more pages now, may come in: `promised` pages are spoken for already,
+        and the running requests hold `peaks` pages at their longest."""
         taken = self.cache.used_pages + promised + needed
-        if not self.running:  # alone it only has to fit
-            return taken <= self.cache.num_pages
+        if taken > self.cache.num_pages:
+            return False
+        if not self.running or peaks + self.peak_pages(request) <= self.cache.num_pages:
+            return True  # alone, or no pause can ever follow: it only has to fit
         return taken <= self.config.utilization_low * self.cache.num_pages
 
     def make_room_for_round(self, requests: list[Request], draft_count: Callable[[Request], int]) -> None:
