@@ -1,6 +1,7 @@
 """Time launch settings of the Triton attention kernels at the benchmark shapes (GPU only).
 
-    python tools/tune_kernels.py [--json PATH] [--chosen-only] [--points shape:B:S,...]
+    python tools/tune_kernels.py [--json PATH] [--chosen-only] [--points shape:B:S,...] [--dtype float32]
+        [--precisions ieee,tf32x3] [--auto-splits]
 
 For the SmolLM2-135M shape (9 query heads, 3 KV heads, head dim 64) at B=64, S=4K and 7.7K, and the
 Qwen3-1.7B shape (16/8 heads, head dim 128) at B=64, S=8K (or the `--points` given), it times one layer of dense
@@ -9,6 +10,10 @@ and sparse decode over a 5% index view, for every combination of key splits and 
 (`triton_backend.launch_settings` chooses one; `--chosen-only` times just that one), each replayed from a CUDA
 graph as the engine runs it. Each variant's output is compared with the chosen setting's, so a setting that
 changes results shows up. The floor is the K/V bytes the kernel must read at the measured copy bandwidth.
+
+In float32 the dot products' precision is a setting too (`--precisions`): "ieee" (full-precision products, no
+tensor cores) and "tf32x3" (three TF32 tensor-core products per product, about float32's accuracy); each variant is
+also compared with the float32 torch reference.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 
 from s3r_hf.bench_kernels import _paged_setup, copy_bandwidth
 from s3r_hf.cuda_graphs import capture_graph
-from s3r_hf.kernels import triton_backend
+from s3r_hf.kernels import reference, triton_backend
 
 SHAPES = {
     "smollm2-135m": dict(num_heads=9, num_kv_heads=3, head_dim=64),
@@ -30,6 +35,8 @@ SHAPES = {
 }
 POINTS = [("smollm2-135m", 64, 4096), ("smollm2-135m", 64, 7680), ("qwen3-1.7b", 64, 8192)]
 LAUNCHES = [
+    {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
     {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     {"BLOCK_N": 32, "num_warps": 2, "num_stages": 3},
     {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
@@ -57,19 +64,18 @@ def _graph_ms(fn, repeats: int = 20) -> float:
 
 
 def tune_point(
-    name: str, batch: int, seq: int, bandwidth: float, generator: torch.Generator, chosen_only: bool = False
+    name: str, batch: int, seq: int, bandwidth: float, generator: torch.Generator, chosen_only: bool = False,
+    dtype: torch.dtype = torch.bfloat16, precisions: tuple[str | None, ...] = (None,), auto_splits: bool = False,
 ) -> dict:
     shape = SHAPES[name]
-    key_pool, value_pool, tables, heads, kv_heads, dim = _paged_setup(
-        batch, seq, 16, torch.bfloat16, generator, shape
-    )
+    key_pool, value_pool, tables, heads, kv_heads, dim = _paged_setup(batch, seq, 16, dtype, generator, shape)
     scale = dim**-0.5
     kv_bytes = 2 * batch * seq * kv_heads * dim * key_pool.element_size()
     budget = math.ceil(0.05 * seq)
-    q1 = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    q1 = torch.randn(batch, heads, dim, device="cuda", dtype=dtype, generator=generator)
     cu1 = torch.arange(batch + 1, device="cuda")
     pos1 = torch.full((batch,), seq - 1, device="cuda")
-    qv = torch.randn(batch * BLOCK, heads, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    qv = torch.randn(batch * BLOCK, heads, dim, device="cuda", dtype=dtype, generator=generator)
     cuv = torch.arange(0, batch * BLOCK + 1, BLOCK, device="cuda")
     posv = torch.cat([torch.arange(seq - BLOCK, seq) for _ in range(batch)]).cuda()
     starts = torch.zeros(batch, dtype=torch.long, device="cuda")
@@ -96,35 +102,58 @@ def tune_point(
             q1, key_pool, value_pool, tables, view, lens, tails, pos_s, scale, max_keys=budget + 3,
             num_splits=splits)[0], (None, 1, 2, 4), kv_bytes * budget / seq),
     }
-    results = {"model": name, "batch": batch, "seq": seq, "floor_ms": kv_bytes / bandwidth * 1e3, "kernels": {}}
-    chosen = triton_backend.launch_settings
+    pools = (key_pool, value_pool, tables)
+    references = {
+        "dense": lambda: reference.paged_dense_attention(q1, *pools, cu1, pos1, scale)[0],
+        "verify": lambda: reference.paged_dense_attention(qv, *pools, cuv, posv, scale, starts)[2],
+        "verify-unscored": lambda: reference.paged_dense_attention(qv, *pools, cuv, posv, scale)[0],
+        "sparse": lambda: reference.paged_sparse_attention(q1, *pools, view, lens, tails, pos_s, scale)[0],
+    }
+    results = {"model": name, "batch": batch, "seq": seq, "dtype": str(dtype), "floor_ms": kv_bytes / bandwidth * 1e3,
+               "kernels": {}}
+    chosen, chosen_precision = triton_backend.launch_settings, triton_backend._dot_precision
     for kernel, (run, split_options, bytes_read) in kernels.items():
         scored_rows = BLOCK * heads // kv_heads
         stored = kernel == "verify" and triton_backend.stores_logits(scored_rows, dim, key_pool.element_size())
-        default = chosen(dim, stores_logits=stored)
+        default = chosen(dim, stores_logits=stored, element_size=key_pool.element_size())
         baseline = None
+        expected = references[kernel]().float()
         rows = []
         launches = [default] + ([] if chosen_only else [v for v in LAUNCHES if v != default])
-        for launch, splits in itertools.product(launches, split_options):
-            triton_backend.launch_settings = lambda head_dim, stores_logits=False, launch=launch: launch
+        splits_tried = (None,) if auto_splits else split_options
+        for precision, launch, splits in itertools.product(precisions, launches, splits_tried):
+            triton_backend.launch_settings = lambda head_dim, stores_logits=False, element_size=2, launch=launch: launch
+            if precision is not None:
+                triton_backend._dot_precision = lambda dtype, precision=precision: precision
             try:
                 output = run(splits)
                 if baseline is None:
                     baseline = output.float()
                 diff = float((output.float() - baseline).abs().max())
+                ref_diff = float((output.float() - expected).abs().max())
                 ms = _graph_ms(lambda run=run, splits=splits: run(splits))
             finally:
-                triton_backend.launch_settings = chosen
-            rows.append({**launch, "splits": splits, "ms": ms, "max_abs_diff_vs_chosen": diff})
+                triton_backend.launch_settings, triton_backend._dot_precision = chosen, chosen_precision
+            rows.append({**launch, "splits": splits, "precision": precision or chosen_precision(dtype), "ms": ms,
+                         "max_abs_diff_vs_chosen": diff, "max_abs_diff_vs_reference": ref_diff})
         rows.sort(key=lambda row: row["ms"])
         results["kernels"][kernel] = {"floor_ms": bytes_read / bandwidth * 1e3, "chosen": default, "variants": rows}
         best = rows[0]
         # `splits` None: the count the kernel chooses for this grid, as the engine's graphs run it.
-        chosen_row = next(r for r in rows if r["splits"] is None and r.items() >= default.items())
-        unsplit = next(r for r in rows if r["splits"] == 1 and r.items() >= default.items())
-        print(f"{name} B={batch} S={seq} {kernel:>6}: floor {bytes_read / bandwidth * 1e3:.3f} ms, chosen "
-              f"{chosen_row['ms']:.3f} ms, unsplit {unsplit['ms']:.3f} ms, best {best['ms']:.3f} ms with {best}")
+        precision_now = chosen_precision(dtype)
+        mine = [r for r in rows if r.items() >= default.items() and r["precision"] == precision_now]
+        chosen_row = next((r for r in mine if r["splits"] is None), None)
+        unsplit = next((r for r in mine if r["splits"] == 1), None)
+        print(f"{name} B={batch} S={seq} {dtype} {kernel:>6}: floor {bytes_read / bandwidth * 1e3:.3f} ms, chosen "
+              f"{_ms(chosen_row)}, unsplit {_ms(unsplit)}, best {best['ms']:.3f} ms with {best}")
+        for precision in precisions if len(precisions) > 1 else ():
+            top = min((r for r in rows if r["precision"] == precision), key=lambda r: r["ms"])
+            print(f"    best with {precision}: {top}")
     return results
+
+
+def _ms(row: dict | None) -> str:
+    return "-" if row is None else f"{row['ms']:.3f} ms"
 
 
 def _points(text: str) -> list[tuple[str, int, int]]:
@@ -147,6 +176,11 @@ def main() -> None:
                         help="shape:B:S,... (shapes: " + ", ".join(SHAPES) + "); default: the engine benchmarks' "
                         "points. The issue's Qwen3-1.7B grid: qwen3-1.7b:16:4096,qwen3-1.7b:16:16384,"
                         "qwen3-1.7b:64:8192,qwen3-1.7b:32:16384")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--precisions", default=None,
+                        help="float32 dot-product precisions to sweep, e.g. ieee,tf32x3 (default: the chosen one)")
+    parser.add_argument("--auto-splits", action="store_true",
+                        help="time only the key-split count the kernel chooses, not every count")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_kernels needs a CUDA GPU")
@@ -154,7 +188,9 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9, "points": []}
     for name, batch, seq in args.points:
-        results["points"].append(tune_point(name, batch, seq, bandwidth, generator, args.chosen_only))
+        precisions = tuple(args.precisions.split(",")) if args.precisions else (None,)
+        results["points"].append(tune_point(name, batch, seq, bandwidth, generator, args.chosen_only,
+                                            getattr(torch, args.dtype), precisions, args.auto_splits))
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as handle:

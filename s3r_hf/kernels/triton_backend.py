@@ -23,8 +23,10 @@ import triton.language as tl
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs: exact IEEE products, so fp32 runs match the reference; bf16/fp16 use tensor cores anyway.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    # fp32 inputs: three TF32 tensor-core products per product ("tf32x3"), within float32 rounding of the reference
+    # (max differences 1e-7 to 1e-6 on the outputs, as IEEE products). IEEE products run on the CUDA cores, 1.7-2.6x
+    # slower at the GRPO shapes (docs/benchmarks.md, "Kernel launch settings"). bf16/fp16 use tensor cores anyway.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 # Triton compiles a kernel once per specialization of its integer arguments (equal to 1, divisible by 16), so an
@@ -150,25 +152,26 @@ def paged_sparse_attention(
         scale, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
-        **launch_settings(head_dim),
+        **launch_settings(head_dim, element_size=query.element_size()),
     )
     return merge_splits(out, lse, query.dtype)
 
 
-def launch_settings(head_dim: int, stores_logits: bool = False) -> dict:
+def launch_settings(head_dim: int, stores_logits: bool = False, element_size: int = 2) -> dict:
     """Keys per loop iteration, warps and software-pipeline stages of the attention kernels.
 
-    Chosen from CUDA-graph timings on the H200 (`tools/tune_kernels.py`, docs/benchmarks.md): a K tile of 8K
-    elements per iteration (128 keys of a 64-wide head, 64 of a 128-wide one; never more than 128 keys) with four
-    warps; a verify block that stores its logits, with 128-wide heads, runs faster with two pipeline stages.
+    Chosen from CUDA-graph timings on the H200 (`tools/tune_kernels.py`, docs/benchmarks.md): a K tile of 16 KiB
+    per iteration (in bf16 128 keys of a 64-wide head, 64 of a 128-wide one; never more than 128 keys) with four
+    warps; a verify block that stores its logits, with 128-wide heads, runs faster with two pipeline stages, and so
+    does every float32 kernel (with three, or with 32 KiB tiles, the float32 verify spilled: up to 40x slower).
     """
-    stages = 2 if stores_logits and head_dim > 64 else 3
-    return {"BLOCK_N": _key_tile(head_dim), "num_warps": 4, "num_stages": stages}
+    stages = 2 if (stores_logits and head_dim > 64) or element_size > 2 else 3
+    return {"BLOCK_N": _key_tile(head_dim, element_size), "num_warps": 4, "num_stages": stages}
 
 
-def _key_tile(head_dim: int) -> int:
-    """Keys per K tile: 8K elements (128 keys of a 64-wide head, 64 of a 128-wide one), 16 to 128 keys."""
-    return min(128, max(16, 8192 // triton.next_power_of_2(head_dim)))
+def _key_tile(head_dim: int, element_size: int = 2) -> int:
+    """Keys per K tile: 16 KiB (in bf16 128 keys of a 64-wide head, 64 of a 128-wide one), 16 to 128 keys."""
+    return min(128, max(16, 16384 // (element_size * triton.next_power_of_2(head_dim))))
 
 
 # Enough programs to fill the GPU several times over (132 SMs on an H100/H200).
@@ -360,7 +363,8 @@ def paged_dense_attention(
         scale, num_q_blocks, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
-        **launch_settings(head_dim, stores_logits=logits is not None), STORE_LOGITS=logits is not None,
+        **launch_settings(head_dim, stores_logits=logits is not None, element_size=query.element_size()),
+        STORE_LOGITS=logits is not None,
     )
     out, lse = merge_splits(out, lse, query.dtype)
     if score_starts is None:
@@ -627,7 +631,15 @@ KERNELS = (
 
 def compiled_variants() -> int:
     """Variants of `KERNELS` built in this process (one per device and specialization of their arguments)."""
-    return sum(len(caches[0]) for kernel in KERNELS for caches in getattr(kernel, "device_caches", {}).values())
+    return len(variant_keys())
+
+
+def variant_keys() -> set[tuple[str, str]]:
+    """`(kernel name, specialization key)` of every variant of `KERNELS` built in this process."""
+    return {
+        (kernel.fn.__name__, str(key))
+        for kernel in KERNELS for caches in getattr(kernel, "device_caches", {}).values() for key in caches[0]
+    }
 
 
 def select_topk_candidates(scores: torch.Tensor, history_lens: torch.Tensor, num_candidates: int) -> torch.Tensor:
