@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import queue
@@ -143,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="wall-clock limit of one mode's child process (start-up included); on expiry it is "
                         "killed and the steps it finished are kept")
     parser.add_argument("--in-process", action="store_true", help="run all modes in this process")
+    parser.add_argument("--log-engine", action="store_true",
+                        help="log s3r-hf's engine at info level: graph captures and compiles, Triton variants built")
     parser.add_argument("--json", default=None, help="write all results here (rewritten after every mode)")
     parser.add_argument("--plot", default=None,
                         help="write a PNG of reward and mean completion length per step, side by side, one line per "
@@ -689,6 +692,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # TRL pings the Hub from every trainer otherwise
+    if args.log_engine:
+        logging.basicConfig(format="  %(name)s: %(message)s")
+        logging.getLogger("s3r_hf").setLevel(logging.INFO)
     if args.from_json:
         payload = {"results": [r for path in args.from_json for r in json.loads(Path(path).read_text())["results"]]}
         report(payload, args.plot)

@@ -164,7 +164,10 @@ class S3REngine:
             self.timer.step_ended()
             self.timer.end_phase(phase, phase_started)
         self._record_compilation(compiled_before)
-        self.stats.kernel_variants = triton_variants() - variants_before
+        built = triton_variants() - variants_before
+        self.stats.kernel_variants = len(built)
+        if built:  # a variant built mid-run costs about a second: which kernel, for which arguments
+            logger.info("built %d Triton kernel variants: %s", len(built), sorted(built))
         if self.runner.graphs is not None:  # this call's captures (the graphs may be kept from earlier calls)
             self.stats.graph_captures = self.runner.graphs.captures - captured_before[0]
             self.stats.graph_capture_seconds = self.runner.graphs.capture_seconds - captured_before[1]

@@ -31,11 +31,12 @@ def get_backend(device: torch.device | str) -> ModuleType:
     return reference
 
 
-def triton_variants() -> int:
-    """Variants of s3r-hf's Triton kernels built in this process so far (compiled, or read from Triton's disk
-    cache), 0 before the Triton backend is first used; the engine reports the difference over a call."""
+def triton_variants() -> set[tuple[str, str]]:
+    """`(kernel name, specialization key)` of the variants of s3r-hf's Triton kernels built in this process so far
+    (compiled, or read from Triton's disk cache), none before the Triton backend is first used; the engine reports
+    and logs those a call adds."""
     module = sys.modules.get("s3r_hf.kernels.triton_backend")
-    return module.compiled_variants() if module is not None else 0
+    return module.variant_keys() if module is not None else set()
 
 
 __all__ = ["get_backend", "reference", "triton_variants"]
