@@ -48,6 +48,11 @@ logger = logging.get_logger(__name__)
 # `ModelRuntime.reusable_cache` and `graphs_for`): an RL step's prompts differ a little in length from the last's.
 POOL_TOLERANCE = 1.25
 GRAPH_HEADROOM = 1.25
+# Graphs are sized for at least this many tokens per request: RL prompts vary several-fold in length (MATH: 50-400
+# tokens) while short completions barely pad them, so a 1.25x headroom over the first step's longest request is
+# soon outgrown, and every graph is captured again (and layers recompiled) mid-run. A block table of 2,048 tokens
+# costs the graphs little.
+GRAPH_MIN_TOKENS = 2048
 
 
 class ModelRuntime:
@@ -126,6 +131,8 @@ class ModelRuntime:
             )
         )
         if not fits:
+            logger.info("the kept KV pool (%d pages for %d requests) does not fit a call of %d requests wanting %d "
+                        "pages: a new one is made", cache.num_pages, cache.max_requests, max_requests, pages_wanted)
             return None
         cache.reset()  # a call that failed may have left slots open
         return cache
@@ -146,8 +153,9 @@ class ModelRuntime:
         """The kept CUDA graphs if they cover `max_pages` pages per request for `config` (draft length, budget,
         compiled layers or not); otherwise new ones, the old ones dropped.
 
-        New graphs are sized `GRAPH_HEADROOM` times past `max_pages`: the next RL step's longest prompt is a little
-        longer or shorter, and a graph replays any request that fits its block table.
+        New graphs are sized `GRAPH_HEADROOM` times past `max_pages`, and for at least `GRAPH_MIN_TOKENS` tokens: the
+        next RL step's longest prompt is longer or shorter, and a graph replays any request that fits its block
+        table.
         """
         graphs = self.graphs
         page_size = self.cache.page_size
@@ -158,8 +166,12 @@ class ModelRuntime:
             or graphs.max_candidates != config.budget(graphs.max_pages * page_size)
             or self._graphs_compiled != config.compile_layers
         ):
+            if graphs is not None:
+                logger.info("the kept CUDA graphs (%d pages per request, draft length %d) do not serve a call of %d "
+                            "pages, draft length %d: captured again", graphs.max_pages, graphs.draft_len, max_pages,
+                            config.draft_len)
             self.graphs = None  # freed before the new graphs capture
-            pages = math.ceil(max_pages * GRAPH_HEADROOM)
+            pages = max(math.ceil(max_pages * GRAPH_HEADROOM), -(-GRAPH_MIN_TOKENS // page_size))
             budget = config.budget(pages * page_size)
             graphs = self.graphs = DecodeGraphs(self.cache, self.forward, pages, config.draft_len, budget)
             self._graphs_compiled = config.compile_layers

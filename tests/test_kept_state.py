@@ -13,10 +13,11 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
 import s3r_hf
 from s3r_hf import S3RConfig
+from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.cuda_graphs import DecodeGraphs
 from s3r_hf.draft_phase import DraftPhase
 from s3r_hf.logits import RaggedLogitsProcessor
-from s3r_hf.runtime_state import runtime_for
+from s3r_hf.runtime_state import GRAPH_HEADROOM, GRAPH_MIN_TOKENS, ModelRuntime, runtime_for
 from tests.conftest import left_padded_batch, tiny_model
 
 # On a GPU machine (`S3R_HF_TEST_DEVICE=cuda`) the kept state includes CUDA graphs.
@@ -213,3 +214,19 @@ def test_a_longer_single_request_does_not_reuse_a_pool_it_cannot_fit():
     assert runtime_for(model).cache is not pool
     assert torch.equal(out, _greedy(model, input_ids, attention_mask, max_new_tokens=36))
     s3r_hf.release(model)
+
+
+def test_graphs_serve_later_steps_with_prompts_several_times_longer():
+    """RL prompts vary several-fold in length; the kept graphs are sized for at least `GRAPH_MIN_TOKENS` tokens per
+    request, so a step whose longest request is four times the first's replays them instead of capturing again."""
+    model = tiny_model("qwen3", seed=61)
+    runtime = ModelRuntime()
+    cache = S3RCache(model.config, num_pages=64, page_size=4, max_requests=4)
+    runtime.adopt_cache(cache, model, 64)
+    config = _config()
+    first = runtime.graphs_for(10, config)  # 40 tokens per request
+    assert first.max_pages * 4 >= GRAPH_MIN_TOKENS
+    assert runtime.graphs_for(40, config) is first
+    assert runtime.graphs_for(GRAPH_MIN_TOKENS // 4, config) is first
+    longer = runtime.graphs_for(GRAPH_MIN_TOKENS // 4 + 1, config)  # past the graphs' block tables
+    assert longer is not first and longer.max_pages >= (GRAPH_MIN_TOKENS // 4 + 1) * GRAPH_HEADROOM
