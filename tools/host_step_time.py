@@ -46,11 +46,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400, help="new tokens per request")
     parser.add_argument("--calls", type=int, default=5, help="timed calls; the fastest is reported")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--logprobs", action="store_true",
+                        help="as S3RGRPOTrainer calls it: log-probabilities returned, the model in training mode")
     args = parser.parse_args()
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).train(args.logprobs)
     enable(model)
     free_decode_forwards(config.vocab_size)
     ids = torch.randint(1, config.vocab_size, (args.batch, 16))
@@ -59,8 +61,8 @@ def main() -> None:
     def call():
         return model.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-            max_new_tokens=args.steps, pad_token_id=0, eos_token_id=None, s3r_config=S3RConfig(min_budget=16, seed=1),
-            **extra,
+            max_new_tokens=args.steps, pad_token_id=0, eos_token_id=None, return_dict_in_generate=args.logprobs,
+            s3r_config=S3RConfig(min_budget=16, seed=1, return_logprobs=args.logprobs), **extra,
         )
 
     call()  # warm-up
@@ -69,7 +71,8 @@ def main() -> None:
         started = time.perf_counter()
         call()
         seconds.append(time.perf_counter() - started)
-    print(f"{args.mode}, B={args.batch}: {min(seconds) / (args.steps - 1) * 1e3:.3f} ms per step "
+    label = f"{args.mode}, log-probs" if args.logprobs else args.mode
+    print(f"{label}, B={args.batch}: {min(seconds) / (args.steps - 1) * 1e3:.3f} ms per step "
           f"(fastest of {args.calls} calls of {args.steps - 1} decode steps)")
     if args.profile:
         profiler = cProfile.Profile()
