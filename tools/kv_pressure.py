@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--concurrency-max", type=int, default=256)
     parser.add_argument("--fixed", default="128,160,256", help="fixed concurrency limits to run with offload")
     parser.add_argument("--adaptive", action="store_true", help="S3R with adaptive draft lengths (default: fixed k)")
+    parser.add_argument("--utilization-low", type=float, default=S3RConfig.utilization_low,
+                        help="S3RConfig.utilization_low: the AIMD limit grows below it, admissions stop at it")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--no-graphs", dest="graphs", action="store_false", help="no CUDA graphs or compiled layers")
     parser.add_argument("--seed", type=int, default=0)
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
     common = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens,
                   eos_token_id=eos.tolist(), pad_token_id=int(eos[0]), return_dict_in_generate=True)
     on_gpu = args.graphs and device == "cuda"
-    base = S3RConfig(adaptive=args.adaptive, cuda_graphs=on_gpu, compile_layers=on_gpu, seed=args.seed)
+    base = S3RConfig(adaptive=args.adaptive, cuda_graphs=on_gpu, compile_layers=on_gpu, seed=args.seed,
+                     utilization_low=args.utilization_low)
 
     high = args.concurrency_max
     console.print(f"ample pool, fixed limit {high}: sizing and warm-up", highlight=False)
