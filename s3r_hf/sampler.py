@@ -38,8 +38,9 @@ def call_generators(seed: int, device: torch.device) -> tuple[torch.Generator, t
     """A call's two random streams, from its seed: one for the verification (acceptance coins, corrections and
     first tokens), one for the drafts' noise. A draft phase launched ahead of a round it may not serve (the request
     finished, or took no drafts) then draws noise that nothing reads without moving the verification's draws: the
-    same seed gives the same tokens with early launches or without. The streams are independent (Philox keys of
-    their own), as the exactness argument needs the drafts' randomness to be independent of the coins."""
+    same seed gives the same tokens with early launches or without. The two generators are seeded apart (an odd
+    multiplier and offset, mixing all 63 bits), so the drafts' randomness stays independent of the coins, as the
+    exactness argument needs."""
     verify, drafts = torch.Generator(device=device), torch.Generator(device=device)
     verify.manual_seed(seed)
     drafts.manual_seed((seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**63)
