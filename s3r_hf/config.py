@@ -79,6 +79,13 @@ class S3RConfig:
             Q/K/V and gate/up each run as one GEMM over concatenated weight copies, refilled from the model's
             weights on every call (SmolLM2-135M: 139 MB, Qwen3-1.7B: 1.9 GB in bf16). The first call pays the
             compilation; with `cuda_graphs` the fused kernels are what the graphs replay.
+        draft_matmul_precision (`str`, defaults to `"highest"`):
+            For float32 models on CUDA, the precision of the draft passes' matmuls, as in
+            `torch.set_float32_matmul_precision`: `"high"` runs them on TF32 tensor cores. A draft is only a
+            proposal: the verify forward stays in full float32 and the acceptance uses the scores the drafts were
+            sampled from, so the samples are exact either way; TF32 can only change how often drafts are accepted.
+            With `compile_layers` the layers compile once more for the TF32 setting (torch.compile guards on it).
+            Other dtypes ignore it.
         keep_state (`bool`, defaults to `True`):
             Keep the KV pool, the CUDA graphs and the fused weights for the model's next call, which reuses them
             when its requests fit (an RL loop's steps do): later calls capture no graphs and allocate no pool.
@@ -117,6 +124,7 @@ class S3RConfig:
     restore_backlog_threshold: int = 3
     cuda_graphs: bool = False
     compile_layers: bool = False
+    draft_matmul_precision: str = "highest"
     keep_state: bool = True
     return_logprobs: bool = False
     seed: int | None = None
@@ -147,6 +155,10 @@ class S3RConfig:
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"S3RConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.draft_matmul_precision not in ("highest", "high"):
+            raise ValueError(
+                f'S3RConfig.draft_matmul_precision must be "highest" or "high", got {self.draft_matmul_precision!r}'
+            )
         if self.seed is not None:
             _check_int(self, "seed", low=0, high=2**64 - 1)  # what torch.Generator.manual_seed accepts
 

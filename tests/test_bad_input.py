@@ -27,6 +27,7 @@ from tests.conftest import TINY, left_padded_batch, tiny_model
         ("utilization_high", 0.5, "utilization_high"),
         ("seed", -3, "seed"),
         ("return_logprobs", "yes", "return_logprobs"),
+        ("draft_matmul_precision", "medium", 'draft_matmul_precision must be "highest" or "high"'),
     ],
 )
 def test_invalid_config_names_the_field(field, value, message):

@@ -61,6 +61,8 @@ RUNTIMES = {
     "eager": {},
     "graphs": {"cuda_graphs": True},
     "graphs+compile": {"cuda_graphs": True, "compile_layers": True},
+    # float32 draft passes on TF32 tensor cores: the proposal changes, the verify stays float32.
+    "graphs+compile+tf32-drafts": {"cuda_graphs": True, "compile_layers": True, "draft_matmul_precision": "high"},
 }
 GRAPHS = list(RUNTIMES) if DEVICE.type == "cuda" else ["eager"]
 

@@ -53,7 +53,8 @@
 #                points-bench are its two halves)
 #   grpo         GRPO rollouts, S3R vs TRL generation (installs $GRPO_WHEELS first; S3R's first step compiles for
 #                ~30 s on a fresh machine, so each mode gets 140 s); GRPO_EXTRA="--model-dtype bfloat16 --bf16" runs
-#                it in bf16; GRPO_MODES (s3r,trl,trl-paged), GRPO_STEPS (5), GRPO_COMPLETION (512 tokens),
+#                it in bf16; GRPO_S3R_CONFIG overrides the S3RConfig JSON (graphs and compiled layers);
+#                GRPO_MODES (s3r,trl,trl-paged), GRPO_STEPS (5), GRPO_COMPLETION (512 tokens),
 #                GRPO_SECONDS (90 per mode), GRPO_TIMEOUT (440 in all), GRPO_NAME (suffix of grpo.json and grpo.log)
 #   curves       training curves on the arithmetic task (S3R rollouts vs TRL generation, the same seeds and settings;
 #                docs/benchmarks.md, "Training curves"): SmolLM2 fp32, CURVES_STEPS (default 150) GRPO steps of
@@ -161,7 +162,7 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     ;;
   tests)
     S3R_HF_TEST_DEVICE=cuda timeout 300 python3 -m pytest -p no:warnings -p no:cacheprovider -rs \
-      ${TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_compiled_layers.py tests/test_greedy_exactness.py tests/test_accept_stage.py tests/test_prelaunch.py tests/test_sampler.py tests/test_memory_release.py tests/test_kv_offload.py tests/test_aimd.py::test_greedy_output_equals_dense_while_the_limit_moves} \
+      ${TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_compiled_layers.py tests/test_greedy_exactness.py tests/test_accept_stage.py tests/test_prelaunch.py tests/test_sampler.py tests/test_memory_release.py tests/test_kv_offload.py tests/test_draft_precision.py tests/test_aimd.py::test_greedy_output_equals_dense_while_the_limit_moves} \
       2>&1 | tee "$OUT/tests.log" | tail -15
     ;;
   all-tests)
@@ -237,7 +238,7 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     timeout "${GRPO_TIMEOUT:-440}" python3 tools/bench_grpo.py --model "$smol" "${dataset_flag[@]}" \
       --modes "${GRPO_MODES:-s3r,trl,trl-paged}" --max-steps "${GRPO_STEPS:-5}" --per-device-batch 32 \
       --num-generations 8 --max-completion-length "${GRPO_COMPLETION:-512}" --max-seconds-per-mode "$grpo_seconds" \
-      --mode-timeout $((grpo_seconds + 50)) --s3r-config '{"cuda_graphs": true, "compile_layers": true}' \
+      --mode-timeout $((grpo_seconds + 50)) --s3r-config "${GRPO_S3R_CONFIG:-{\"cuda_graphs\": true, \"compile_layers\": true\}}" \
       ${GRPO_EXTRA:-} --json "$OUT/grpo${GRPO_NAME:-}.json" 2>&1 | grep -v -i warn | tee "$OUT/grpo${GRPO_NAME:-}.log" \
       | tail -60
     ;;

@@ -3,6 +3,8 @@ it, eagerly or as a CUDA-graph replay."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -34,6 +36,21 @@ class Verified(NamedTuple):
     prompt_logits: torch.Tensor | None = None
 
 
+@contextlib.contextmanager
+def float32_matmul_precision(precision: str) -> Iterator[None]:
+    """Inside the block, float32 CUDA matmuls at `precision` (`"high"`: on TF32 tensor cores; `"highest"`: left as
+    they are); the setting is restored after it. A CUDA graph captured inside keeps the matmul kernels chosen then."""
+    if precision == "highest":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 class ModelRunner:
     """The engine's forwards. `graphs` is set by the engine when `S3RConfig.cuda_graphs` is on (on CUDA)."""
 
@@ -60,6 +77,10 @@ class ModelRunner:
         self.device = cache.device
         self.num_layers = cache.num_layers
         self.graphs: DecodeGraphs | None = None
+        # Draft passes may run their float32 matmuls in TF32 (`S3RConfig.draft_matmul_precision`); the flag is left
+        # alone for other dtypes, where toggling it would only make torch.compile build the layers again.
+        float32_cuda = cache.dtype == torch.float32 and cache.device.type == "cuda"
+        self.draft_precision = config.draft_matmul_precision if float32_cuda else "highest"
 
     # ---------------------------------------------------------------- forward
     def forward(
@@ -181,13 +202,14 @@ class ModelRunner:
         views at most `view_width` long)."""
         slots = self.tensor([r.slot for r in requests])
         inputs = DraftInputs(pending, committed, counts, slots, tables, noise=None)
-        if self.graphs is not None and self.graphs.supports_draft_phase(len(requests)):
-            return self.graphs.run_draft_phase(
-                self.draft_phase, inputs, self.sampling.draft_noise_generator, passes=round_k
-            )
-        noise = self.draft_phase.noise_buffer(len(requests), self.device)
-        inputs.noise = None if noise is None else draw_noise(noise, self.sampling.draft_noise_generator)
-        return self.draft_phase(inputs, view_width, passes=passes)
+        with float32_matmul_precision(self.draft_precision):
+            if self.graphs is not None and self.graphs.supports_draft_phase(len(requests)):
+                return self.graphs.run_draft_phase(
+                    self.draft_phase, inputs, self.sampling.draft_noise_generator, passes=round_k
+                )
+            noise = self.draft_phase.noise_buffer(len(requests), self.device)
+            inputs.noise = None if noise is None else draw_noise(noise, self.sampling.draft_noise_generator)
+            return self.draft_phase(inputs, view_width, passes=passes)
 
     def draft_pass(
         self,
@@ -224,7 +246,8 @@ class ModelRunner:
             max_keys=max(r.view_len for r in requests) + step + 1,
         )
         plan = StepPlan(write_index=self.tensor(write), position_ids=sparse.positions.long()[None], sparse=sparse)
-        logits = self.forward(tokens, plan, bucket_floor=round_size)
+        with float32_matmul_precision(self.draft_precision):
+            logits = self.forward(tokens, plan, bucket_floor=round_size)
         history_free = self.sampling.logits_processor.history_free
         histories = [] if history_free else [r.tokens[: r.length + step] for r in requests]
         scores = self.sampling.logits_processor([r.row for r in requests], histories, logits)

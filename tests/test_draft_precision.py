@@ -1,0 +1,72 @@
+"""`S3RConfig.draft_matmul_precision`: float32 draft passes may run their matmuls in TF32 on CUDA; the verify stays
+in full float32, so greedy outputs equal dense decoding (the G-tests on CUDA check the sampled distribution)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import s3r_hf
+from s3r_hf import S3RConfig
+from s3r_hf.engine.model_runner import ModelRunner, float32_matmul_precision
+from s3r_hf.model_forward import ModelForward
+from tests.conftest import left_padded_batch, tiny_model
+
+DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
+
+
+def test_the_precision_is_set_inside_the_block_and_restored_after_it():
+    before = torch.backends.cuda.matmul.allow_tf32
+    with float32_matmul_precision("highest"):
+        assert torch.backends.cuda.matmul.allow_tf32 == before
+    with pytest.raises(RuntimeError):
+        with float32_matmul_precision("high"):
+            assert torch.backends.cuda.matmul.allow_tf32
+            raise RuntimeError("a failing draft pass")
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+
+
+@pytest.mark.parametrize("phase", [True, False], ids=["draft-phase", "host-driven-passes"])
+@pytest.mark.parametrize("forced", [False, True], ids=["as-configured", "forced-on"])
+def test_tf32_drafts_change_only_the_draft_forwards_and_greedy_stays_dense(monkeypatch, phase, forced):
+    """Draft forwards run with TF32 allowed (float32 on CUDA only; elsewhere the setting is left alone), verify and
+    prefill forwards without it; the outputs are dense decoding's. `forced` applies the setting on any device (on
+    CPU the flag changes nothing but is still set and restored where a CUDA run would set it)."""
+    seen = []
+    call = ModelForward.__call__
+    if forced:
+        init = ModelRunner.__init__
+
+        def forcing(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.draft_precision = self.config.draft_matmul_precision
+
+        monkeypatch.setattr(ModelRunner, "__init__", forcing)
+
+    def recording(self, ids, plan, keep=None):
+        seen.append((plan.sparse is not None and plan.dense is None, torch.backends.cuda.matmul.allow_tf32))
+        return call(self, ids, plan, keep)
+
+    monkeypatch.setattr(ModelForward, "__call__", recording)
+    model = s3r_hf.enable(tiny_model("llama", seed=71).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 21, 14], seed=72))
+    dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=24)
+    config = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.2, min_budget=2, page_size=4,
+                       draft_matmul_precision="high")
+    # A logits processor that reads the history drafts pass by pass from the host instead of in one phase.
+    processors = {} if phase else {"repetition_penalty": 1.0001}
+    before = torch.backends.cuda.matmul.allow_tf32
+    out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=24,
+                         s3r_config=config, **processors)
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    if not phase:  # the same greedy tokens need the same processor in the reference
+        dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=24,
+                               **processors)
+    assert torch.equal(out, dense)
+    drafts = [tf32 for is_draft, tf32 in seen if is_draft]
+    others = [tf32 for is_draft, tf32 in seen if not is_draft]
+    assert drafts and others and out.s3r_stats.drafted > 0
+    assert set(drafts) == {forced or DEVICE.type == "cuda" or before} and set(others) == {before}
+    s3r_hf.release(model)
