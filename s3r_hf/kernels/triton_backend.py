@@ -245,7 +245,9 @@ def _dense_varlen_kernel(
         q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         q_pos = tl.load(pos_ptr + query, mask=row_ok, other=-1)
         context = tl.max(q_pos, 0) + 1
-        lo = split * keys_per_split
+        # `keys_per_split` is a multiple of BLOCK_N (the host rounds it), so every tile starts aligned: the compiler
+        # may vectorize the stored logits and the block-table reads along the keys.
+        lo = tl.multiple_of(split * keys_per_split, BLOCK_N)
         hi = tl.minimum(context, lo + keys_per_split)
         if STORE_LOGITS:
             score_start = tl.load(score_start_ptr + segment)
@@ -345,7 +347,11 @@ def paged_dense_attention(
     splits = num_splits or _num_splits(
         num_segments * num_kv_heads * num_q_blocks, max_context, min_keys=_MIN_KEYS_PER_SPLIT, target=target
     )
-    keys_per_split = -(-max_context // splits)
+    settings = launch_settings(head_dim, stores_logits=logits is not None, element_size=query.element_size())
+    # Whole tiles per split: `keys_per_split` is an unspecialized argument (it changes with the context), so the
+    # kernel learns the alignment of each split's first key from this rounding (`tl.multiple_of`).
+    tile = settings["BLOCK_N"]
+    keys_per_split = -(-max_context // (splits * tile)) * tile
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     grid = (num_segments, num_kv_heads, num_q_blocks * splits)
@@ -363,8 +369,7 @@ def paged_dense_attention(
         scale, num_q_blocks, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
-        **launch_settings(head_dim, stores_logits=logits is not None, element_size=query.element_size()),
-        STORE_LOGITS=logits is not None,
+        **settings, STORE_LOGITS=logits is not None,
     )
     out, lse = merge_splits(out, lse, query.dtype)
     if score_starts is None:
