@@ -108,6 +108,8 @@ class Scheduler:
         comes in whenever its pages are free (a pool sized for the whole batch runs the whole batch at once).
         """
         running, paused, waiting = self.running, self.paused, self.waiting
+        if not (paused or waiting) or len(running) >= self.concurrency.limit:
+            return  # most steps of a rollout: nothing may come in, so the running requests' pages go uncounted
         promised = sum(
             max(0, self.pages_needed_for_prompt(r) - self.cache.pages_held(r.slot))
             for r in running if r.prefilled < r.prompt_len
