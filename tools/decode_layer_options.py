@@ -126,38 +126,46 @@ def main(argv: list[str] | None = None) -> None:
     settings = ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq), "--max-new-tokens",
                 str(args.max_new_tokens), "--acceptance", str(args.acceptance), "--min-budget", str(args.min_budget),
                 "--dtype", args.dtype, "--device", args.device]
-    results = []
-    for variant in args.variants.split(","):
-        command = [sys.executable, __file__, *settings, "--variant", variant]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            results.append({"variant": variant, "error": f"timed out after {args.timeout:.0f} s"})
-            continue
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if done.returncode != 0 or not lines:
-            error = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            results.append({"variant": variant, "error": error})
-            continue
-        results.append(json.loads(lines[-1][len("RESULT "):]))
-    reference = next((r["ar_tokens"] for r in results if r.get("variant") == "eager" and "ar_tokens" in r), None)
+    # Each variant's row is printed, and the JSON rewritten, as soon as it finishes: a caller's time limit that cuts
+    # the run short still leaves the variants already timed.
     print(f"{args.model}, B={args.batch}, S={args.seq}, {args.max_new_tokens} new tokens, {args.dtype}")
-    print(f"{'variant':<16}{'AR ms/step':>12}{'S3R ms/step':>13}{'S3R / AR':>10}{'agree':>8}")
-    for record in results:
-        if "error" in record:
-            print(f"{record['variant']:<16}  {record['error']}")
-            continue
-        if reference is not None:
+    print(f"{'variant':<16}{'AR ms/step':>12}{'S3R ms/step':>13}{'S3R / AR':>10}{'agree':>8}", flush=True)
+    results, reference = [], None
+    for variant in args.variants.split(","):
+        record = run_child(args, settings, variant)
+        if variant == "eager" and "ar_tokens" in record:
+            reference = record["ar_tokens"]
+        if "ar_tokens" in record and reference is not None:
             record["agreement_with_eager"] = agreement(record["ar_tokens"], reference)
-        ar, s3r = record["ar"]["ms_per_step"], record["s3r"]["ms_per_step"]
-        speed = (s3r and ar / s3r * record["s3r"]["tau"]) or 0.0
-        agree = record.get("agreement_with_eager")
-        print(f"{record['variant']:<16}{ar:>12.2f}{s3r:>13.2f}{speed:>9.2f}x"
-              f"{'' if agree is None else f'{agree:>8.3f}'}")
-    if args.json:
-        for record in results:
-            record.pop("ar_tokens", None)
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        record.pop("ar_tokens", None)
+        results.append(record)
+        print_row(record)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def run_child(args: argparse.Namespace, settings: list[str], variant: str) -> dict:
+    """One variant in a child process of its own: its record, or the error that stopped it."""
+    command = [sys.executable, __file__, *settings, "--variant", variant]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"variant": variant, "error": f"timed out after {args.timeout:.0f} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        return {"variant": variant, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def print_row(record: dict) -> None:
+    if "error" in record:
+        print(f"{record['variant']:<16}  {record['error']}", flush=True)
+        return
+    ar, s3r = record["ar"]["ms_per_step"], record["s3r"]["ms_per_step"]
+    speed = (s3r and ar / s3r * record["s3r"]["tau"]) or 0.0
+    agree = record.get("agreement_with_eager")
+    print(f"{record['variant']:<16}{ar:>12.2f}{s3r:>13.2f}{speed:>9.2f}x"
+          f"{'' if agree is None else f'{agree:>8.3f}'}", flush=True)
 
 
 if __name__ == "__main__":

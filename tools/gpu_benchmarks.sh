@@ -72,7 +72,8 @@
 #                JSON, PROBE_ARGS adds options, e.g. "--calls 1 --max-new-tokens 256")
 #   layers       engine AR and S3R ms per step with the decoder layers eager, compiled per layer, compiled with
 #                max-autotune, and with liger-kernel's ops (tools/decode_layer_options.py; liger-kernel among the
-#                --wheels): SmolLM2 at B=64, S=4K, then the Qwen3-1.7B shape at B=64, S=8K (about 8 minutes)
+#                --wheels): LAYERS_MODEL=smol (SmolLM2 at B=64, S=4K, the default) or qwen (the Qwen3-1.7B shape at
+#                B=64, S=8K), LAYERS_VARIANTS a subset; 5-8 minutes per model, each variant's row printed as it ends
 #   kv-pressure  the paper's Table 2: long rollouts from short prompts on the Qwen3-1.7B shape (forced acceptance), the
 #                KV pool at half the peak need; engine AR, S3R with offload at fixed limits 128/160/256, S3R with AIMD,
 #                lockstep and mixed-stage steps (tools/kv_pressure.py; KVP_ARGS adds its options, KVP_TIMEOUT 540 s)
@@ -297,10 +298,16 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
       2>&1 | tee "$OUT/adaptive_tests.log" | tail -15
     ;;
   layers)
-    timeout 280 python3 tools/decode_layer_options.py --model "$smol" --batch 64 --seq 4096 --timeout 90 \
-      --json "$OUT/layers_smol.json" 2>&1 | grep -v -i warn | tee "$OUT/layers_smol.log" | tail -12
-    timeout 280 python3 tools/decode_layer_options.py --model qwen3-1.7b --batch 64 --seq 8192 --timeout 90 \
-      --json "$OUT/layers_qwen.json" 2>&1 | grep -v -i warn | tee "$OUT/layers_qwen.log" | tail -12
+    # One model per call: five variants, each compiling and capturing in a child process of its own, take 5-8 minutes.
+    variants=${LAYERS_VARIANTS:-eager,compiled,max-autotune,liger,liger-compiled}
+    case ${LAYERS_MODEL:-smol} in
+    smol) layers_args=(--model "$smol" --batch 64 --seq 4096) ;;
+    qwen) layers_args=(--model qwen3-1.7b --batch 64 --seq 8192) ;;
+    *) echo "LAYERS_MODEL must be smol or qwen" >&2; exit 2 ;;
+    esac
+    timeout ${LAYERS_TIMEOUT:-540} python3 tools/decode_layer_options.py "${layers_args[@]}" --variants "$variants" \
+      --timeout 150 --json "$OUT/layers_${LAYERS_MODEL:-smol}.json" 2>&1 | grep -v -i warn \
+      | tee "$OUT/layers_${LAYERS_MODEL:-smol}.log" | tail -12
     ;;
   kv-pressure)
     # shellcheck disable=SC2086  # KVP_ARGS is a list of options

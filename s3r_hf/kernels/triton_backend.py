@@ -225,12 +225,19 @@ def _dense_varlen_kernel(
     scale, num_q_blocks, keys_per_split,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    STORE_LOGITS: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, ONE_Q_BLOCK: tl.constexpr,
 ):
     segment = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_block = tl.program_id(2) % num_q_blocks
-    split = tl.program_id(2) // num_q_blocks
+    # Decode steps and verify blocks have one query block per segment. Compiled knowing that, the verify with stored
+    # logits runs about a quarter faster than with `num_q_blocks` only known at run time (docs/benchmarks.md, "Kernel
+    # launch settings"); a flag rather than a specialized integer keeps it at two variants, whatever prefill chunks do.
+    if ONE_Q_BLOCK:
+        q_block = 0
+        split = tl.program_id(2)
+    else:
+        q_block = tl.program_id(2) % num_q_blocks
+        split = tl.program_id(2) // num_q_blocks
     seg_start = tl.load(cu_ptr + segment)
     seg_end = tl.load(cu_ptr + segment + 1)
     first = seg_start + q_block * BLOCK_M
@@ -369,7 +376,7 @@ def paged_dense_attention(
         scale, num_q_blocks, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
-        **settings, STORE_LOGITS=logits is not None,
+        **settings, STORE_LOGITS=logits is not None, ONE_Q_BLOCK=num_q_blocks == 1,
     )
     out, lse = merge_splits(out, lse, query.dtype)
     if score_starts is None:
