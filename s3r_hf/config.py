@@ -79,6 +79,13 @@ class S3RConfig:
             Q/K/V and gate/up each run as one GEMM over concatenated weight copies, refilled from the model's
             weights on every call (SmolLM2-135M: 139 MB, Qwen3-1.7B: 1.9 GB in bf16). The first call pays the
             compilation; with `cuda_graphs` the fused kernels are what the graphs replay.
+        fused_layers (`bool`, defaults to `False`):
+            Run each decoder layer of decode-shaped engine forwards (draft passes, dense steps, verify blocks) as
+            five Triton kernels around the attention: norm + Q/K/V GEMM + rotary, the K/V write, O GEMM + residual,
+            norm + gate/up GEMM + SiLU·mul, down GEMM + residual (`s3r_hf.fused_layers`). Llama-family layers
+            (Llama, Qwen2, Qwen3, Mistral, SmolLM) with plain linears and a head dimension that is a power of two
+            of at least 32; other models are refused. The kernels read the model's own weights: nothing is copied.
+            Prefill chunks run the layers' own forward (compiled with `compile_layers`). Not yet timed on a GPU.
         draft_matmul_precision (`str`, defaults to `"highest"`):
             For float32 models on CUDA, the precision of the draft passes' matmuls, as in
             `torch.set_float32_matmul_precision`: `"high"` runs them on TF32 tensor cores. A draft is only a
@@ -124,6 +131,7 @@ class S3RConfig:
     restore_backlog_threshold: int = 3
     cuda_graphs: bool = False
     compile_layers: bool = False
+    fused_layers: bool = False
     draft_matmul_precision: str = "highest"
     keep_state: bool = True
     return_logprobs: bool = False
@@ -150,8 +158,8 @@ class S3RConfig:
         _check_float(self, "utilization_low", low=0.0, high=1.0)
         _check_float(self, "utilization_high", low=self.utilization_low, high=1.0)
         _check_int(self, "restore_backlog_threshold", low=0)
-        flags = ("adaptive", "mixed_steps", "share_prompts", "cuda_graphs", "compile_layers", "keep_state",
-                 "return_logprobs")
+        flags = ("adaptive", "mixed_steps", "share_prompts", "cuda_graphs", "compile_layers", "fused_layers",
+                 "keep_state", "return_logprobs")
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"S3RConfig.{name} must be a bool, got {getattr(self, name)!r}")

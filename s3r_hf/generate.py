@@ -17,6 +17,7 @@ from s3r_hf.cache.s3r_cache import S3RCache, page_bytes
 from s3r_hf.config import S3RConfig
 from s3r_hf.draft_policy import DraftLengthPolicy
 from s3r_hf.engine import S3REngine, SamplingSetup
+from s3r_hf.fused_layers import check_fusable
 from s3r_hf.generate_kwargs import check_generate_call, stop_strings_as_criterion
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.model_session import hold
@@ -92,6 +93,8 @@ def generate(
     padded_len = input_ids.shape[1]
     max_new = generation_config.max_length - padded_len
     check_context_window(model, prompts, max_new)
+    if config.fused_layers:
+        check_fusable(model)  # before a KV pool is allocated or a request admitted
 
     device = model.device
     greedy = not generation_config.do_sample

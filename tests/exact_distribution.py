@@ -25,7 +25,7 @@ from tests.conftest import TINY
 
 
 def tiny_enumerable_model(
-    vocab_size: int = 8, seed: int = 0, attention_gain: float = 4.0, output_gain: float = 1.0
+    vocab_size: int = 8, seed: int = 0, attention_gain: float = 4.0, output_gain: float = 1.0, **overrides
 ) -> LlamaForCausalLM:
     """A random fp32 Llama small enough to enumerate continuations, with peaky attention.
 
@@ -33,6 +33,7 @@ def tiny_enumerable_model(
     query concentrates on a few positions and a sparse index view of 1–2 positions really changes the
     drafter's output. `output_gain` multiplies the LM head (sharper next-token distributions). There is no EOS
     token: every row runs to `max_new_tokens`, so the continuation space is exactly `vocab_size ** length`.
+    `overrides` change the config (the fused-layer tests need `head_dim=32`).
     """
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -43,6 +44,7 @@ def tiny_enumerable_model(
             "bos_token_id": None,
             "eos_token_id": None,
             "tie_word_embeddings": False,
+            **overrides,
         }
     )
     model = LlamaForCausalLM(config).float().eval()

@@ -7,6 +7,9 @@ Variants (each in a child process of its own, so patches and compile caches do n
   max-autotune   the same with inductor's max-autotune (Triton GEMM templates with fused prologues and epilogues)
   liger          liger-kernel's RMSNorm, RoPE and SwiGLU patched into the model (`pip install liger-kernel`)
   liger-compiled the same, then compiled per layer
+  fused          S3R's fused decoder layers (`fused_layers=True`: five Triton kernels per layer around the attention);
+                 prefill chunks eager
+  fused-compiled the same, prefill chunks through the compiled layers
 
 Every variant runs engine AR and S3R (k = 6, acceptance forced to `--acceptance`: NOT exact, it times the cost
 side) on the same greedy batch of random prompts and reports ms per step, and how many AR output tokens agree with
@@ -26,11 +29,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-VARIANTS = ("eager", "compiled", "max-autotune", "liger", "liger-compiled")
+VARIANTS = ("eager", "compiled", "max-autotune", "liger", "liger-compiled", "fused", "fused-compiled")
 
 
-def apply_variant(model, variant: str) -> bool:
-    """Patch `model` (or the compiled-layer cache) for `variant`; returns whether S3R should compile the layers."""
+def apply_variant(model, variant: str) -> dict:
+    """Patch `model` (or the compiled-layer cache) for `variant`; returns the S3RConfig fields it sets."""
     import torch
 
     from s3r_hf import compiled_layers
@@ -50,7 +53,10 @@ def apply_variant(model, variant: str) -> bool:
                    "post_grad_custom_pre_pass": MergeIdenticalGemms()}
         for cls in {type(layer) for layer in compiled_layers.decoder_layers(model)}:
             compiled_layers._compiled_forwards[cls] = torch.compile(cls.forward, options=options)
-    return variant in ("compiled", "max-autotune", "liger-compiled")
+    return {
+        "compile_layers": variant in ("compiled", "max-autotune", "liger-compiled", "fused-compiled"),
+        "fused_layers": variant.startswith("fused"),
+    }
 
 
 def run_variant(args: argparse.Namespace) -> dict:
@@ -63,12 +69,12 @@ def run_variant(args: argparse.Namespace) -> dict:
 
     dtype = getattr(torch, args.dtype)
     model, _ = build_model(args.model, dtype, args.device)
-    compile_layers = apply_variant(model, args.variant)
+    layer_settings = apply_variant(model, args.variant)
     s3r_hf.enable(model)
     torch.manual_seed(0)
     prompts = random_prompts(model.config.vocab_size, args.batch, args.seq).to(args.device)
-    config = S3RConfig(adaptive=False, compile_layers=compile_layers, cuda_graphs=args.device.startswith("cuda"),
-                       min_budget=args.min_budget)
+    config = S3RConfig(adaptive=False, cuda_graphs=args.device.startswith("cuda"), min_budget=args.min_budget,
+                       **layer_settings)
     record = {"variant": args.variant}
     # Random prompts (and random weights) accept little of their own; a set acceptance times the cost side alike.
     forced = args.acceptance

@@ -26,6 +26,7 @@ from s3r_hf.engine.round_timing import RoundTimer
 from s3r_hf.engine.sampling_setup import SamplingSetup
 from s3r_hf.engine.scheduler import Scheduler
 from s3r_hf.engine.view_updates import IndexViewUpdates
+from s3r_hf.fused_layers import fused_decoder_layers
 from s3r_hf.kernels import triton_variants
 from s3r_hf.request import Request
 from s3r_hf.runtime_state import ModelRuntime
@@ -137,10 +138,12 @@ class S3REngine:
         if self.config.compile_layers:
             fused = self.runtime.fused_projections(lambda: fused_projections_for(self.model))
             compiled = compiled_decoder_layers(self.model, fused)
+        # Entered after the compiled layers: prefill chunks fall back to the compiled forward.
+        fused_layers = fused_decoder_layers(self.model) if self.config.fused_layers else contextlib.nullcontext()
         # Wall time is split between prefill and decoding at the switches between them only (the device is
         # synchronized there when timing), so consecutive rounds keep overlapping as they do untimed.
         phase, phase_started = None, 0.0
-        with s3r_attention(self.model, packed=True), compiled:
+        with s3r_attention(self.model, packed=True), compiled, fused_layers:
             while self.scheduler.has_work():
                 step = self.scheduler.schedule()
                 step_phase = "prefill" if step.kind == "prefill" else "decode"  # a mixed step's time is decoding's

@@ -646,11 +646,11 @@ def compiled_variants() -> int:
     return len(variant_keys())
 
 
-def variant_keys() -> set[tuple[str, str]]:
-    """`(kernel name, specialization key)` of every variant of `KERNELS` built in this process."""
+def variant_keys(kernels: tuple = KERNELS) -> set[tuple[str, str]]:
+    """`(kernel name, specialization key)` of every variant of `kernels` built in this process."""
     return {
         (kernel.fn.__name__, str(key))
-        for kernel in KERNELS for caches in getattr(kernel, "device_caches", {}).values() for key in caches[0]
+        for kernel in kernels for caches in getattr(kernel, "device_caches", {}).values() for key in caches[0]
     }
 
 

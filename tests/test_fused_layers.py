@@ -1,0 +1,275 @@
+"""Fused decoder layers (`S3RConfig.fused_layers`): the Triton kernels against their torch reference, the fused
+engine against dense decoding (greedy identity on Llama, Qwen2 and Qwen3; the G-test and its power check), weights
+read live, and refusals that name what does not fit.
+
+On CPU the engine runs the reference functions (`layer_reference`) and the kernels run through Triton's interpreter;
+with `S3R_HF_TEST_DEVICE=cuda` everything runs on the GPU, the G-test also with CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import s3r_hf
+from s3r_hf import S3RConfig, fused_layers
+from s3r_hf.kernels import layer_reference
+from s3r_hf.validation import UnsupportedModelError
+from tests.conftest import TINY, left_padded_batch, tiny_model
+from tests.exact_distribution import (
+    count_continuations,
+    exact_continuation_distribution,
+    g_test,
+    sampling_warpers,
+    tiny_enumerable_model,
+)
+
+layer_triton = pytest.importorskip("s3r_hf.kernels.layer_triton", reason="triton is not installed")
+
+DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
+# The interpreter has no bfloat16 arithmetic: float16 stands in for the half-precision path on CPU.
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float32, torch.float16]
+FUSABLE = dict(head_dim=32)  # the kernels need a power-of-two head dimension of at least 32
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tolerance = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(actual.float(), expected.float(), **tolerance)
+
+
+def _qkv_inputs(rows, hidden, head_dim, heads, kv_heads, dtype, bias, head_norm, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype).to(DEVICE)
+
+    angles = torch.randn(rows, head_dim // 2, generator=generator)
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype).to(DEVICE)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype).to(DEVICE)
+    return dict(
+        x=randn(rows, hidden), norm_weight=1 + randn(hidden, scale=0.1), eps=1e-6,
+        q_weight=randn(heads * head_dim, hidden, scale=0.1), k_weight=randn(kv_heads * head_dim, hidden, scale=0.1),
+        v_weight=randn(kv_heads * head_dim, hidden, scale=0.1),
+        q_bias=randn(heads * head_dim) if bias else None, k_bias=randn(kv_heads * head_dim) if bias else None,
+        v_bias=randn(kv_heads * head_dim) if bias else None, cos=cos, sin=sin, head_dim=head_dim,
+        q_norm_weight=1 + randn(head_dim, scale=0.1) if head_norm else None,
+        k_norm_weight=1 + randn(head_dim, scale=0.1) if head_norm else None, head_norm_eps=1e-6,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 40])
+@pytest.mark.parametrize("variant", ["llama", "qwen2-bias", "qwen3-head-norm"])
+def test_norm_qkv_rope_matches_reference(dtype, rows, variant):
+    inputs = _qkv_inputs(rows, 96, 32, heads=3, kv_heads=1, dtype=dtype, bias=variant == "qwen2-bias",
+                         head_norm=variant == "qwen3-head-norm")
+    expected = layer_reference.norm_qkv_rope(**inputs)
+    actual = layer_triton.norm_qkv_rope(**inputs)
+    assert actual.shape == (rows, 5, 32) and actual.dtype == dtype
+    _close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 33])
+def test_norm_gate_up_silu_matches_reference(dtype, rows):
+    generator = torch.Generator().manual_seed(1)
+    x, norm, gate, up = (
+        (torch.randn(*shape, generator=generator) * scale).to(dtype).to(DEVICE)
+        for shape, scale in (((rows, 96), 1.0), ((96,), 1.0), ((80, 96), 0.1), ((80, 96), 0.1))
+    )
+    expected = layer_reference.norm_gate_up_silu(x, norm, 1e-5, gate, up)
+    actual = layer_triton.norm_gate_up_silu(x, norm, 1e-5, gate, up)
+    assert actual.shape == (rows, 80)
+    _close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_residual_matches_reference(dtype, bias):
+    generator = torch.Generator().manual_seed(2)
+    x, weight, residual, b = (
+        (torch.randn(*shape, generator=generator) * scale).to(dtype).to(DEVICE)
+        for shape, scale in (((17, 80), 1.0), ((96, 80), 0.1), ((17, 96), 1.0), ((96,), 1.0))
+    )
+    expected = layer_reference.linear_residual(x, weight, b if bias else None, residual)
+    actual = layer_triton.linear_residual(x, weight, b if bias else None, residual)
+    _close(actual, expected, dtype)
+
+
+def test_reference_layer_equals_the_models_own_layer():
+    """The reference functions chained as `fused_forward` chains them compute the model's decoder layer (fp32)."""
+    model = tiny_model("qwen3", **FUSABLE)
+    layer = model.model.layers[0]
+    parts = fused_layers.layer_parts(layer)
+    hidden = torch.randn(1, 9, TINY["hidden_size"], generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(9)[None]
+    cos, sin = model.model.rotary_emb(hidden, positions)
+    qkv = layer_reference.norm_qkv_rope(
+        hidden[0], parts.input_norm.weight, parts.input_norm.variance_epsilon, parts.q.weight, parts.k.weight,
+        parts.v.weight, None, None, None, cos[0], sin[0], parts.head_dim, parts.q_norm.weight, parts.k_norm.weight,
+        parts.q_norm.variance_epsilon,
+    )
+    heads, kv_heads = TINY["num_attention_heads"], TINY["num_key_value_heads"]
+    q, k, v = (t.transpose(0, 1) for t in qkv.split([heads, kv_heads, kv_heads], dim=1))  # [H, N, D]
+    group = heads // kv_heads
+    attended = torch.nn.functional.scaled_dot_product_attention(
+        q[None], k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None], is_causal=True,
+        scale=parts.attention.scaling,
+    )[0].transpose(0, 1).reshape(9, -1)
+    mixed = layer_reference.linear_residual(attended, parts.o.weight, None, hidden[0])
+    activated = layer_reference.norm_gate_up_silu(
+        mixed, parts.post_norm.weight, parts.post_norm.variance_epsilon, parts.gate.weight, parts.up.weight
+    )
+    fused = layer_reference.linear_residual(activated, parts.down.weight, None, mixed)
+    with torch.no_grad():
+        own = layer(hidden, position_embeddings=(cos, sin), attention_mask=None, position_ids=positions)
+    own = own[0] if isinstance(own, tuple) else own
+    torch.testing.assert_close(fused, own[0], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- engine
+def _qwen2(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**{**TINY, **FUSABLE})).eval()  # biased Q/K/V
+
+
+@pytest.fixture
+def count_fused(monkeypatch):
+    """How many layer forwards ran fused."""
+    calls = []
+    real = fused_layers.fused_forward
+    monkeypatch.setattr(fused_layers, "fused_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fused_greedy_equals_dense_and_the_layers_are_restored(kind, count_fused):
+    model = _qwen2() if kind == "qwen2" else tiny_model(kind, **FUSABLE)
+    model = s3r_hf.enable(model.to(DEVICE))
+    ids, mask = left_padded_batch([12, 7, 15], seed=4)
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    dense = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                         s3r_config=S3RConfig(min_budget=4, fused_layers=True, adaptive=False))
+    assert torch.equal(out, dense)
+    assert count_fused, "no layer forward ran fused"
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+
+
+def test_prefill_chunks_above_the_limit_run_the_layers_own_forward(monkeypatch, count_fused):
+    """Forwards of more than FUSED_MAX_TOKENS tokens (here: the prompts) run the model's layers; decode-shaped ones
+    run fused; the output is dense decoding's either way."""
+    monkeypatch.setattr(fused_layers, "FUSED_MAX_TOKENS", 12)
+    model = s3r_hf.enable(tiny_model("llama", **FUSABLE).to(DEVICE))
+    ids, mask = left_padded_batch([30, 25], seed=5)
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    dense = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                         s3r_config=S3RConfig(min_budget=4, fused_layers=True, adaptive=False))
+    assert torch.equal(out, dense)
+    assert count_fused
+
+
+def test_fused_layers_read_the_weights_of_the_moment(count_fused):
+    """No weight copy goes stale: an in-place update between calls (an optimizer step) shows in the next call."""
+    model = s3r_hf.enable(tiny_model("qwen3", **FUSABLE).to(DEVICE))
+    ids, mask = left_padded_batch([10, 14], seed=6)
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    config = S3RConfig(min_budget=4, fused_layers=True, adaptive=False)
+    model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, s3r_config=config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(-3.0)
+            layer.self_attn.q_norm.weight.add_(0.5)
+    dense = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, s3r_config=config)
+    assert torch.equal(out, dense)
+
+
+def test_unfusable_models_are_refused_with_the_reason():
+    model = s3r_hf.enable(tiny_model("llama"))  # head_dim 16
+    ids, mask = left_padded_batch([6], seed=7)
+    with pytest.raises(UnsupportedModelError, match="head_dim 16"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, s3r_config=S3RConfig(fused_layers=True))
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    with pytest.raises(ValueError, match="fused_layers must be a bool"):
+        S3RConfig(fused_layers="yes")
+
+
+# ---------------------------------------------------------------------------------------------- G-test
+PROMPT_LEN, NEW_TOKENS, VOCAB = 24, 4, 8
+S3R = dict(adaptive=False, draft_len=2, budget_ratio=0.05, min_budget=1, page_size=4, fused_layers=True)
+RUNTIMES = {"eager": {}, "graphs": {"cuda_graphs": True}} if DEVICE.type == "cuda" else {"eager": {}}
+
+
+@pytest.fixture(scope="module")
+def enumerable():
+    """A fusable enumerable model (head_dim 32) on the CPU, its copy on `DEVICE`, a prompt, the exact law."""
+    torch.set_num_threads(1)
+    model = s3r_hf.enable(tiny_enumerable_model(VOCAB, seed=0, attention_gain=8.0, output_gain=8.0, **FUSABLE))
+    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(100))
+    sampler = model if DEVICE.type == "cpu" else s3r_hf.enable(copy.deepcopy(model).to(DEVICE))
+    probs, _ = exact_continuation_distribution(model, prompt, NEW_TOKENS, sampling_warpers(temperature=1.0))
+    return sampler, prompt, probs
+
+
+def _fused_samples(sampler, prompt, samples: int, mode: str, runtime: dict) -> torch.Tensor:
+    out = sampler.generate(
+        prompt.to(sampler.device), attention_mask=torch.ones_like(prompt).to(sampler.device), do_sample=True,
+        temperature=1.0, top_k=None, top_p=None, max_new_tokens=NEW_TOKENS, num_return_sequences=samples,
+        return_dict_in_generate=True, s3r_config=S3RConfig(**S3R, seed=11, **runtime), s3r_mode=mode,
+    )
+    stats = out.s3r_stats
+    if mode == "s3r":
+        assert 0 < stats.accepted < stats.drafted, "the drafter must be accepted and rejected both"
+    return out.sequences.cpu()
+
+
+@pytest.mark.parametrize("runtime", list(RUNTIMES))
+def test_fused_s3r_samples_follow_the_exact_dense_distribution(enumerable, runtime, count_fused):
+    sampler, prompt, probs = enumerable
+    sequences = _fused_samples(sampler, prompt, 10_000, "s3r", RUNTIMES[runtime])
+    assert count_fused
+    result = g_test(count_continuations(sequences, PROMPT_LEN, VOCAB, NEW_TOKENS), probs)
+    assert result["impossible"] == 0 and result["dof"] >= 40
+    assert result["p_value"] > 1e-3, f"fused S3R samples are not distributed as dense sampling: {result}"
+
+
+@pytest.mark.parametrize("runtime", list(RUNTIMES))
+def test_fused_unverified_drafts_are_rejected(enumerable, runtime):
+    """Power: the same test tells the fused sparse drafter's own samples from the dense law."""
+    sampler, prompt, probs = enumerable
+    sequences = _fused_samples(sampler, prompt, 2_500, "unverified", RUNTIMES[runtime])
+    counts = count_continuations(sequences, PROMPT_LEN, VOCAB, NEW_TOKENS)
+    result = g_test(counts, probs, exclude_impossible=True)
+    assert result["p_value"] < 1e-6, f"the test failed to reject unverified fused drafts: {result}"
+
+
+def test_fused_greedy_with_the_triton_kernels_equals_dense(monkeypatch):
+    """The engine with the Triton layer and attention kernels (the interpreter on CPU), kept small: the interpreter
+    runs each program in Python."""
+    calls = []
+    for name in ("norm_qkv_rope", "norm_gate_up_silu", "linear_residual"):
+        real = getattr(layer_triton, name)
+        monkeypatch.setattr(layer_triton, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    model = s3r_hf.enable(tiny_model("qwen3", seed=21, **FUSABLE).to(DEVICE))
+    ids, mask = (t.to(DEVICE) for t in left_padded_batch([9, 5], seed=22))
+    dense = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    monkeypatch.setenv("S3R_HF_KERNELS", "triton")
+    config = S3RConfig(adaptive=False, draft_len=2, min_budget=2, page_size=4, fused_layers=True)
+    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6, s3r_config=config)
+    assert torch.equal(out, dense)
+    assert calls, "the Triton layer kernels did not run"
+
+
+def test_layer_backend_selection(monkeypatch):
+    from s3r_hf.kernels import get_layer_backend
+
+    assert get_layer_backend("cpu") is layer_reference
+    monkeypatch.setenv("S3R_HF_KERNELS", "triton")
+    assert get_layer_backend("cpu") is layer_triton
