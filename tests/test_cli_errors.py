@@ -117,6 +117,15 @@ def test_an_empty_prompt_without_the_chat_template_is_one_line(tiny_checkpoint: 
                    "(--no-chat-template): the model would have nothing to continue\n")
 
 
+def test_fused_layers_on_a_model_they_do_not_fit_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    err = run_cli(["bench", "--model", "qwen3-tiny", "--batch", "2", "--seq", "32", "--max-new-tokens", "4",
+                   "--device", "cpu", "--dtype", "float32", "--skip-generate", "--no-warmup", "--fused-layers"], capsys)
+    assert err == (
+        "s3r-hf bench: error: S3RConfig.fused_layers: head_dim 16 of Qwen3DecoderLayer; the fused kernels need a "
+        "power of two >= 32\n"
+    )
+
+
 def test_verbose_adds_the_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["generate", "--model", "/nonexistent/dir", "--prompt", "hi", "--verbose"],
                  ["-v", "generate", "--model", "/nonexistent/dir", "--prompt", "hi"]):

@@ -77,7 +77,8 @@
 #   kv-pressure  the paper's Table 2: long rollouts from short prompts on the Qwen3-1.7B shape (forced acceptance), the
 #                KV pool at half the peak need; engine AR, S3R with offload at fixed limits 128/160/256, S3R with AIMD,
 #                lockstep and mixed-stage steps (tools/kv_pressure.py; KVP_ARGS adds its options, KVP_TIMEOUT 540 s)
-# ROLLOUT_CALLS and ROLLOUT_MODES set the rollout steps' --calls and --modes; CURVES_LR the curves' learning rate.
+# ROLLOUT_CALLS and ROLLOUT_MODES set the rollout steps' --calls and --modes, ROLLOUT_EXTRA adds options (e.g.
+# --fused-layers); CURVES_LR the curves' learning rate.
 #
 # Example: SMOL_MODEL=~/models/SmolLM2-135M-Instruct.Q4_1.gguf DATA=~/data/math_train.json \
 #            bash tools/gpu_benchmarks.sh setup tests smol rollout-smol
@@ -281,14 +282,14 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     for point in ${ROLLOUT_SMOL:-8:medium}; do
       timeout 400 python3 -m s3r_hf.cli bench --rollout --model "$smol" "${data_flag[@]}" --prompts ${point%%:*} \
         --generations 8 --preset ${point##*:} --calls ${ROLLOUT_CALLS:-3} --modes ${ROLLOUT_MODES:-ar,s3r-fixed,s3r-adaptive} \
-        --dtype bfloat16 --cuda-graphs --compile-layers --json "$OUT/rollout_smol_${point/:/_}.json" 2>&1 \
+        --dtype bfloat16 --cuda-graphs --compile-layers ${ROLLOUT_EXTRA:-} --json "$OUT/rollout_smol_${point/:/_}.json" 2>&1 \
         | grep -v -i warn | tee "$OUT/rollout_smol_${point/:/_}.log" | tail -45
     done
     ;;
   rollout-qwen)
     timeout 400 python3 -m s3r_hf.cli bench --rollout --model qwen3-1.7b --seq 8192 --prompts 8 --generations 8 \
       --max-new-tokens 512 --acceptance ${QWEN_ACCEPT:-0.93} --calls ${ROLLOUT_CALLS:-2} \
-      --modes ${ROLLOUT_MODES:-ar,s3r-fixed,s3r-adaptive} --dtype bfloat16 --cuda-graphs --compile-layers \
+      --modes ${ROLLOUT_MODES:-ar,s3r-fixed,s3r-adaptive} --dtype bfloat16 --cuda-graphs --compile-layers ${ROLLOUT_EXTRA:-} \
       --json "$OUT/rollout_qwen.json" 2>&1 | grep -v -i warn | tee "$OUT/rollout_qwen.log" | tail -30
     ;;
   adaptive-tests)
