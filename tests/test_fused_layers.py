@@ -135,7 +135,12 @@ def test_reference_layer_equals_the_models_own_layer():
 # ---------------------------------------------------------------------------------------------- engine
 def _qwen2(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(**{**TINY, **FUSABLE})).eval()  # biased Q/K/V
+    model = Qwen2ForCausalLM(Qwen2Config(**{**TINY, **FUSABLE})).eval()  # biased Q/K/V
+    with torch.no_grad():  # biases start at zero: make them count
+        for layer in model.model.layers:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                getattr(layer.self_attn, name).bias.normal_(0, 0.5)
+    return model
 
 
 @pytest.fixture
@@ -147,9 +152,19 @@ def count_fused(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama-biased", "qwen2", "qwen3"])
 def test_fused_greedy_equals_dense_and_the_layers_are_restored(kind, count_fused):
-    model = _qwen2() if kind == "qwen2" else tiny_model(kind, **FUSABLE)
+    """Llama; Llama with `attention_bias` (Q/K/V and O biased); Qwen2 (Q/K/V biased); Qwen3 (per-head norms)."""
+    if kind == "qwen2":
+        model = _qwen2()
+    elif kind == "llama-biased":
+        model = tiny_model("llama", attention_bias=True, **FUSABLE)
+        with torch.no_grad():  # biases start at zero: make them count
+            for layer in model.model.layers:
+                for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                    getattr(layer.self_attn, name).bias.normal_(0, 0.5)
+    else:
+        model = tiny_model(kind, **FUSABLE)
     model = s3r_hf.enable(model.to(DEVICE))
     ids, mask = left_padded_batch([12, 7, 15], seed=4)
     ids, mask = ids.to(DEVICE), mask.to(DEVICE)
