@@ -70,7 +70,6 @@ def compiled_decoder_layers(model: PreTrainedModel, fused: FusedProjections | No
     """
     layers = decoder_layers(model)
     fused = fused if fused is not None else fused_projections_for(model)
-    saved = [(layer, layer.__dict__.get("forward")) for layer in layers]
     # `layer_idx` would otherwise be a constant of each layer's graph: one recompilation per layer. The frames between
     # the attention's graph breaks see a new token count in every kind of step (prefill chunks, each CUDA-graph bucket
     # of dense steps, draft passes and verify blocks) until torch marks the count dynamic, and dynamo's default limit
@@ -78,22 +77,41 @@ def compiled_decoder_layers(model: PreTrainedModel, fused: FusedProjections | No
     # for every new shape, with only a warning. A higher limit lets each frame settle on its dynamic graph instead.
     config = torch._dynamo.config
     limit = {"recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit": RECOMPILE_LIMIT}
+
+    def compiled(layer: torch.nn.Module, eager: Callable) -> Callable:
+        return _owner_dispatch(model, types.MethodType(_compiled_forward(type(layer)), layer), eager)
+
     with config.patch(allow_unspec_int_on_nn_module=True, **limit), fused.installed():
-        try:
-            for layer, previous in saved:
-                cls = type(layer)
-                if cls not in _compiled_forwards:
-                    options = {"post_grad_custom_pre_pass": MergeIdenticalGemms()}
-                    _compiled_forwards[cls] = torch.compile(cls.forward, options=options)
-                eager = previous if previous is not None else types.MethodType(cls.forward, layer)
-                layer.forward = _owner_dispatch(model, types.MethodType(_compiled_forwards[cls], layer), eager)
+        with replaced_forwards(layers, compiled):
             yield
-        finally:
-            for layer, previous in saved:
-                if previous is None:
-                    layer.__dict__.pop("forward", None)
-                else:
-                    layer.forward = previous
+
+
+def _compiled_forward(cls: type) -> Callable:
+    """The compiled `forward` of a decoder-layer class, compiled on first use."""
+    if cls not in _compiled_forwards:
+        options = {"post_grad_custom_pre_pass": MergeIdenticalGemms()}
+        _compiled_forwards[cls] = torch.compile(cls.forward, options=options)
+    return _compiled_forwards[cls]
+
+
+@contextlib.contextmanager
+def replaced_forwards(
+    layers: list[torch.nn.Module], make_forward: Callable[[torch.nn.Module, Callable], Callable]
+) -> Iterator[None]:
+    """Within the block each layer's `forward` is `make_forward(layer, own)`, `own` being the forward the layer had on
+    entry (its class's, or one installed before); every layer gets that forward back afterwards."""
+    saved = [(layer, layer.__dict__.get("forward")) for layer in layers]
+    try:
+        for layer, previous in saved:
+            own = previous if previous is not None else types.MethodType(type(layer).forward, layer)
+            layer.forward = make_forward(layer, own)
+        yield
+    finally:
+        for layer, previous in saved:
+            if previous is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = previous
 
 
 def compile_counters() -> tuple[int, float]:

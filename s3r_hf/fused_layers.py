@@ -19,15 +19,15 @@ for S3R (`model_session.owns`); the model's own forward (the training step, a pl
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from transformers import PreTrainedModel
 
 from s3r_hf.attention import s3r_attention_forward
-from s3r_hf.compiled_layers import decoder_layers
+from s3r_hf.compiled_layers import decoder_layers, replaced_forwards
 from s3r_hf.fused_projections import FusedLinearSlice
 from s3r_hf.kernels import get_layer_backend
 from s3r_hf.model_session import owns
@@ -112,9 +112,9 @@ def check_fusable(model: PreTrainedModel) -> None:
         layer_parts(layer)
 
 
-def fused_forward(parts: LayerParts, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """One decoder layer of an engine step: `[1, N, hidden]` in, `[1, N, hidden]` out (`layer_reference.py`)."""
-    ops = get_layer_backend(hidden_states.device)
+def fused_forward(parts: LayerParts, ops: ModuleType, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """One decoder layer of an engine step: `[1, N, hidden]` in, `[1, N, hidden]` out, computed by `ops`
+    (`layer_triton` or `layer_reference`)."""
     attention, q_norm, k_norm = parts.attention, parts.q_norm, parts.k_norm
     x = hidden_states[0]
     cos, sin = kwargs["position_embeddings"]
@@ -148,28 +148,19 @@ def fused_decoder_layers(model: PreTrainedModel) -> Iterator[None]:
     """Run the block with every decoder layer's engine forwards of up to `FUSED_MAX_TOKENS` tokens fused; other
     forwards, and forwards in other threads, go to the layer's forward as it was on entry (compiled or not)."""
     layers = decoder_layers(model)
-    parts = [layer_parts(layer) for layer in layers]
-    saved = [(layer, layer.__dict__.get("forward")) for layer in layers]
-    try:
-        for (layer, previous), layer_part in zip(saved, parts):
-            own = previous if previous is not None else types.MethodType(type(layer).forward, layer)
-            layer.forward = _dispatch(model, layer_part, own)
+    parts = {layer: layer_parts(layer) for layer in layers}
+    ops = get_layer_backend(model.device)  # chosen once per call, not per layer and forward
+    with replaced_forwards(layers, lambda layer, own: _dispatch(model, parts[layer], ops, own)):
         yield
-    finally:
-        for layer, previous in saved:
-            if previous is None:
-                layer.__dict__.pop("forward", None)
-            else:
-                layer.forward = previous
 
 
-def _dispatch(model: PreTrainedModel, parts: LayerParts, own: Callable) -> Callable:
+def _dispatch(model: PreTrainedModel, parts: LayerParts, ops: ModuleType, own: Callable) -> Callable:
     def forward(hidden_states, *args, **kwargs):
         if (
             args or "s3r_step" not in kwargs or hidden_states.shape[1] > FUSED_MAX_TOKENS
             or hidden_states.shape[0] != 1 or not owns(model)
         ):
             return own(hidden_states, *args, **kwargs)
-        return fused_forward(parts, hidden_states, kwargs)
+        return fused_forward(parts, ops, hidden_states, kwargs)
 
     return forward

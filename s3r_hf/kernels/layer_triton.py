@@ -169,9 +169,12 @@ def _norm_gate_up_silu_kernel(
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _block_n(rows: int, columns: int, block_m: int) -> int:
-    """Columns per program: 64, or 32 where 64 would leave most of an H200's 132 SMs without a program."""
-    return 64 if triton.cdiv(rows, block_m) * triton.cdiv(columns, 64) >= 132 else 32
+def _tiles(rows: int, columns: int) -> tuple[int, int, tuple[int, int]]:
+    """`(BLOCK_M, BLOCK_N, grid)` of a GEMM kernel over `[rows, columns]` outputs: 64 columns per program, or 32
+    where 64 would leave most of an H200's 132 SMs without a program."""
+    block_m = _block_m(rows)
+    block_n = 64 if triton.cdiv(rows, block_m) * triton.cdiv(columns, 64) >= 132 else 32
+    return block_m, block_n, (triton.cdiv(rows, block_m), triton.cdiv(columns, block_n))
 
 
 def norm_gate_up_silu(
@@ -184,9 +187,8 @@ def norm_gate_up_silu(
     if rows == 0:
         return out
     x = x.contiguous()
-    block_m = _block_m(rows)
-    block_n = _block_n(rows, columns, block_m)
-    _norm_gate_up_silu_kernel[(triton.cdiv(rows, block_m), triton.cdiv(columns, block_n))](
+    block_m, block_n, grid = _tiles(rows, columns)
+    _norm_gate_up_silu_kernel[grid](
         x, norm_weight, gate_weight.contiguous(), up_weight.contiguous(), out, rows, hidden, columns,
         x.stride(0), out.stride(0), eps,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, PRECISION=_dot_precision(x.dtype), num_warps=4,
@@ -229,9 +231,8 @@ def linear_residual(
     if rows == 0:
         return out
     x, residual = x.contiguous(), residual.contiguous()
-    block_m = _block_m(rows)
-    block_n = _block_n(rows, columns, block_m)
-    _linear_residual_kernel[(triton.cdiv(rows, block_m), triton.cdiv(columns, block_n))](
+    block_m, block_n, grid = _tiles(rows, columns)
+    _linear_residual_kernel[grid](
         x, weight.contiguous(), bias if bias is not None else weight, residual, out, rows, inner, columns,
         x.stride(0), residual.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, HAS_BIAS=bias is not None,
