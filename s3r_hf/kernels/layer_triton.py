@@ -31,6 +31,7 @@ _BLOCK_K = 64
 # The row count `M` changes from step to step and is left unspecialized (`do_not_specialize`): no new variant is
 # compiled when it happens to be 1 or a multiple of 16 (see `triton_backend`).
 _STAGES = 2  # float32 tiles of 64 x 64 in three stages would crowd the shared memory the two accumulators leave
+_WARPS = 4
 
 
 @triton.jit
@@ -141,7 +142,8 @@ def norm_qkv_rope(
         cos, sin, q_norm_weight if head_norm else placeholder, k_norm_weight if head_norm else placeholder, out,
         rows, hidden, x.stride(0), cos.stride(0), out.stride(0), out.stride(1), eps, head_norm_eps,
         HQ=num_heads, HKV=num_kv_heads, HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_K=_BLOCK_K,
-        HAS_BIAS=has_bias, HEAD_NORM=head_norm, PRECISION=_dot_precision(x.dtype), num_warps=4, num_stages=_STAGES,
+        HAS_BIAS=has_bias, HEAD_NORM=head_norm, PRECISION=_dot_precision(x.dtype), num_warps=_WARPS,
+        num_stages=_STAGES,
     )
     return out
 
@@ -191,7 +193,7 @@ def norm_gate_up_silu(
     _norm_gate_up_silu_kernel[grid](
         x, norm_weight, gate_weight.contiguous(), up_weight.contiguous(), out, rows, hidden, columns,
         x.stride(0), out.stride(0), eps,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, PRECISION=_dot_precision(x.dtype), num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, PRECISION=_dot_precision(x.dtype), num_warps=_WARPS,
         num_stages=_STAGES,
     )
     return out
@@ -236,7 +238,7 @@ def linear_residual(
         x, weight.contiguous(), bias if bias is not None else weight, residual, out, rows, inner, columns,
         x.stride(0), residual.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, HAS_BIAS=bias is not None,
-        PRECISION=_dot_precision(x.dtype), num_warps=4, num_stages=_STAGES,
+        PRECISION=_dot_precision(x.dtype), num_warps=_WARPS, num_stages=_STAGES,
     )
     return out
 

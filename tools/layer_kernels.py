@@ -1,0 +1,178 @@
+"""Time one decoder layer's work around the attention at decode shapes (GPU only): the fused layer kernels
+(`S3RConfig.fused_layers`) against the model's own ops, eager and compiled, and against the weight-read floor.
+
+    python tools/layer_kernels.py [--shapes smollm2-135m,qwen3-1.7b] [--rows 16,64,448] [--sweep] [--json PATH]
+
+For each model shape and row count (64: a draft pass or an AR step at B=64; 448: a verify block of 64 requests x 7
+queries; 16: a rollout's tail) it times, replayed from a CUDA graph as the engine runs them:
+  torch      the layer's ops as transformers runs them (bf16 `F.linear`, RMSNorm, rotary, SiLU * up, residuals)
+  compiled   the same under `torch.compile` (what `compile_layers` gives)
+  fused      the three kernels of `kernels/layer_triton.py` (four launches), and each kernel alone
+The attention is left out: its input is a fixed tensor. The fused output is compared with the reference
+(`kernels/layer_reference.py`); the floor is the layer's weight bytes at the measured copy bandwidth. `--sweep` also
+times the fused kernels at other tile settings (K block, pipeline stages, warps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from s3r_hf.bench_kernels import copy_bandwidth
+from s3r_hf.cuda_graphs import capture_graph
+from s3r_hf.kernels import layer_reference, layer_triton
+
+SHAPES = {  # hidden, intermediate, query heads, KV heads, head dim, Qwen3's per-head norm
+    "smollm2-135m": dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, head_norm=False),
+    "qwen3-1.7b": dict(hidden=2048, intermediate=6144, heads=16, kv_heads=8, head_dim=128, head_norm=True),
+}
+SWEEP = [dict(_BLOCK_K=k, _STAGES=s, _WARPS=w) for k, s, w in itertools.product((32, 64, 128), (2, 3, 4), (4, 8))]
+
+
+def _graph_ms(fn, repeats: int = 50) -> float:
+    graph, _ = capture_graph(fn)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def _weights(shape: dict, dtype: torch.dtype, generator: torch.Generator) -> dict:
+    hidden, inter, dim = shape["hidden"], shape["intermediate"], shape["head_dim"]
+
+    def linear(out_features: int, in_features: int) -> torch.Tensor:
+        scale = in_features**-0.5
+        return torch.randn(out_features, in_features, generator=generator, device="cuda").mul(scale).to(dtype)
+
+    def norm(size: int) -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(size, generator=generator, device="cuda")).to(dtype)
+
+    return dict(
+        input_norm=norm(hidden), post_norm=norm(hidden),
+        q=linear(shape["heads"] * dim, hidden), k=linear(shape["kv_heads"] * dim, hidden),
+        v=linear(shape["kv_heads"] * dim, hidden), o=linear(hidden, shape["heads"] * dim),
+        gate=linear(inter, hidden), up=linear(inter, hidden), down=linear(hidden, inter),
+        q_norm=norm(dim) if shape["head_norm"] else None, k_norm=norm(dim) if shape["head_norm"] else None,
+    )
+
+
+def _fused_chain(ops, w: dict, shape: dict, x, attended, cos, sin):
+    qkv = ops.norm_qkv_rope(x, w["input_norm"], 1e-6, w["q"], w["k"], w["v"], None, None, None, cos, sin,
+                            shape["head_dim"], w["q_norm"], w["k_norm"], 1e-6)
+    mixed = ops.linear_residual(attended, w["o"], None, x)
+    activated = ops.norm_gate_up_silu(mixed, w["post_norm"], 1e-6, w["gate"], w["up"])
+    return qkv, ops.linear_residual(activated, w["down"], None, mixed)
+
+
+def _torch_chain(w: dict, shape: dict, x, attended, cos, sin):
+    """The layer's ops as transformers' Llama/Qwen3 modules run them (attention left out)."""
+
+    def norm(h, weight, eps=1e-6):
+        return weight * (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+    def rotate(h):
+        half = h.shape[-1] // 2
+        return h * cos[:, None] + torch.cat([-h[..., half:], h[..., :half]], -1) * sin[:, None]
+
+    rows, dim = x.shape[0], shape["head_dim"]
+    normed = norm(x, w["input_norm"])
+    q = F.linear(normed, w["q"]).view(rows, -1, dim)
+    k = F.linear(normed, w["k"]).view(rows, -1, dim)
+    v = F.linear(normed, w["v"]).view(rows, -1, dim)
+    if w["q_norm"] is not None:
+        q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
+    qkv = torch.cat([rotate(q), rotate(k), v], 1)
+    mixed = x + F.linear(attended, w["o"])
+    normed = norm(mixed, w["post_norm"])
+    return qkv, mixed + F.linear(F.silu(F.linear(normed, w["gate"])) * F.linear(normed, w["up"]), w["down"])
+
+
+def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch.dtype) -> dict:
+    shape = SHAPES[name]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    w = _weights(shape, dtype, generator)
+    x = torch.randn(rows, shape["hidden"], generator=generator, device="cuda").to(dtype)
+    attended = torch.randn(rows, shape["heads"] * shape["head_dim"], generator=generator, device="cuda").to(dtype)
+    angles = torch.rand(rows, shape["head_dim"] // 2, generator=generator, device="cuda") * 100
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    args = (w, shape, x, attended, cos, sin)
+    weight_bytes = sum(t.numel() * t.element_size() for t in w.values() if t is not None)
+    row = {"shape": name, "rows": rows, "floor_ms": weight_bytes / bandwidth * 1e3}
+
+    reference = _fused_chain(layer_reference, *args)
+    fused = _fused_chain(layer_triton, *args)
+    row["max_abs_error"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(fused, reference))
+    row["torch_ms"] = _graph_ms(lambda: _torch_chain(*args))
+    compiled = torch.compile(_torch_chain, dynamic=False)
+    compiled(*args)
+    row["compiled_ms"] = _graph_ms(lambda: compiled(*args))
+    row["fused_ms"] = _graph_ms(lambda: _fused_chain(layer_triton, *args))
+    qkv = fused[0]
+    mixed = layer_triton.linear_residual(attended, w["o"], None, x)
+    activated = layer_triton.norm_gate_up_silu(mixed, w["post_norm"], 1e-6, w["gate"], w["up"])
+    row["kernels_ms"] = {
+        "norm_qkv_rope": _graph_ms(lambda: layer_triton.norm_qkv_rope(
+            x, w["input_norm"], 1e-6, w["q"], w["k"], w["v"], None, None, None, cos, sin, shape["head_dim"],
+            w["q_norm"], w["k_norm"], 1e-6)),
+        "o_residual": _graph_ms(lambda: layer_triton.linear_residual(attended, w["o"], None, x)),
+        "norm_gate_up_silu": _graph_ms(lambda: layer_triton.norm_gate_up_silu(
+            mixed, w["post_norm"], 1e-6, w["gate"], w["up"])),
+        "down_residual": _graph_ms(lambda: layer_triton.linear_residual(activated, w["down"], None, mixed)),
+    }
+    del qkv
+    if sweep:
+        row["sweep"] = []
+        chosen = {key: getattr(layer_triton, key) for key in SWEEP[0]}
+        for setting in SWEEP:
+            for key, value in setting.items():
+                setattr(layer_triton, key, value)
+            try:
+                ms = _graph_ms(lambda: _fused_chain(layer_triton, *args))
+                row["sweep"].append({**setting, "ms": ms})
+            except Exception as error:  # a setting that does not fit the shared memory
+                row["sweep"].append({**setting, "error": str(error).splitlines()[0][:120]})
+        for key, value in chosen.items():
+            setattr(layer_triton, key, value)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--rows", default="16,64,448")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tools/layer_kernels.py times CUDA kernels: it needs a GPU")
+    bandwidth = copy_bandwidth()
+    dtype = getattr(torch, args.dtype)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.dtype}")
+    print(f"{'shape':14} {'rows':>5} {'floor':>7} {'torch':>7} {'compiled':>8} {'fused':>7}  per kernel (ms)")
+    rows = []
+    for name in args.shapes.split(","):
+        for count in (int(r) for r in args.rows.split(",")):
+            row = time_point(name, count, args.sweep, bandwidth, dtype)
+            rows.append(row)
+            kernels = " ".join(f"{k}={v:.4f}" for k, v in row["kernels_ms"].items())
+            print(f"{name:14} {count:5d} {row['floor_ms']:7.4f} {row['torch_ms']:7.4f} {row['compiled_ms']:8.4f} "
+                  f"{row['fused_ms']:7.4f}  {kernels}  err={row['max_abs_error']:.3g}", flush=True)
+            for setting in sorted(row.get("sweep", []), key=lambda s: s.get("ms", 1e9))[:5]:
+                print("    sweep", setting, flush=True)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(rows, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
