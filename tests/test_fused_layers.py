@@ -62,10 +62,22 @@ def _qkv_inputs(rows, hidden, head_dim, heads, kv_heads, dtype, bias, head_norm,
 
 
 # ---------------------------------------------------------------------------------------------- kernels
+@pytest.fixture(params=["chosen", "split"])
+def launch(request, monkeypatch):
+    """The kernels at their chosen launch settings, and with 16-wide K blocks split over several programs (a
+    96-long reduction is six blocks: three splits of two; 80 is five: three splits of two, two and one)."""
+    if request.param == "split":
+        monkeypatch.setattr(layer_triton, "LAUNCH_OVERRIDE", (16, 1, 4))
+        monkeypatch.setattr(layer_triton, "MAX_SPLITS", 4)
+    yield request.param
+    counts = layer_triton._arrival_counts.get(DEVICE)
+    assert counts is None or not counts.any(), "a split launch left its arrival counts set"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 40])
 @pytest.mark.parametrize("variant", ["llama", "qwen2-bias", "qwen3-head-norm"])
-def test_norm_qkv_rope_matches_reference(dtype, rows, variant):
+def test_norm_qkv_rope_matches_reference(dtype, rows, variant, launch):
     inputs = _qkv_inputs(rows, 96, 32, heads=3, kv_heads=1, dtype=dtype, bias=variant == "qwen2-bias",
                          head_norm=variant == "qwen3-head-norm")
     expected = layer_reference.norm_qkv_rope(**inputs)
@@ -76,7 +88,7 @@ def test_norm_qkv_rope_matches_reference(dtype, rows, variant):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 33])
-def test_norm_gate_up_silu_matches_reference(dtype, rows):
+def test_norm_gate_up_silu_matches_reference(dtype, rows, launch):
     generator = torch.Generator().manual_seed(1)
     x, norm, gate, up = (
         (torch.randn(*shape, generator=generator) * scale).to(dtype).to(DEVICE)
@@ -90,7 +102,7 @@ def test_norm_gate_up_silu_matches_reference(dtype, rows):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_residual_matches_reference(dtype, bias):
+def test_linear_residual_matches_reference(dtype, bias, launch):
     generator = torch.Generator().manual_seed(2)
     x, weight, residual, b = (
         (torch.randn(*shape, generator=generator) * scale).to(dtype).to(DEVICE)
@@ -99,6 +111,23 @@ def test_linear_residual_matches_reference(dtype, bias):
     expected = layer_reference.linear_residual(x, weight, b if bias else None, residual)
     actual = layer_triton.linear_residual(x, weight, b if bias else None, residual)
     _close(actual, expected, dtype)
+    # Split partial sums are added in split order, not in arrival order: every launch gives the same bits.
+    assert torch.equal(layer_triton.linear_residual(x, weight, b if bias else None, residual), actual)
+
+
+@pytest.mark.parametrize(
+    "rows, columns, inner, expected", [(64, 576, 576, 3), (64, 576, 1536, 4), (64, 2048, 6144, 2), (448, 4096, 2048, 1)]
+)
+def test_split_count_fills_the_sms_without_empty_programs(rows, columns, inner, expected, monkeypatch):
+    """SmolLM2's O projection (18 column tiles, 9 K blocks) and down projection (18 tiles, 24 blocks), Qwen3-1.7B's
+    down projection (64 tiles) at 64 rows, and a verify block whose 448 tiles fill the SMs unsplit."""
+    monkeypatch.setattr(layer_triton, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(layer_triton, "LAUNCH_OVERRIDE", (64, 3, 4))
+    *_, splits, grid, _, _ = layer_triton._tiles(DEVICE, rows, columns, inner, torch.bfloat16)
+    assert splits == expected and grid[2] == splits
+    assert grid[0] * grid[1] * splits <= 132 or splits == 1
+    k_blocks = -(-inner // 64)
+    assert -(-k_blocks // splits) * (splits - 1) < k_blocks  # the last split has K blocks too
 
 
 def test_reference_layer_equals_the_models_own_layer():

@@ -10,7 +10,7 @@ queries; 16: a rollout's tail) it times, replayed from a CUDA graph as the engin
   fused      the three kernels of `kernels/layer_triton.py` (four launches), and each kernel alone
 The attention is left out: its input is a fixed tensor. The fused output is compared with the reference
 (`kernels/layer_reference.py`); the floor is the layer's weight bytes at the measured copy bandwidth. `--sweep` also
-times the fused kernels at other tile settings (K block, pipeline stages, warps).
+times the fused kernels at other tile settings (K block, pipeline stages, warps) with and without split K ranges.
 """
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ SHAPES = {  # hidden, intermediate, query heads, KV heads, head dim, Qwen3's per
     "smollm2-135m": dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, head_norm=False),
     "qwen3-1.7b": dict(hidden=2048, intermediate=6144, heads=16, kv_heads=8, head_dim=128, head_norm=True),
 }
-SWEEP = [dict(_BLOCK_K=k, _STAGES=s, _WARPS=w) for k, s, w in itertools.product((64, 128), (2, 3), (4, 8))]
+SWEEP = [  # layer_triton's LAUNCH_OVERRIDE (K block, stages, warps) and MAX_SPLITS
+    dict(LAUNCH_OVERRIDE=launch, MAX_SPLITS=splits)
+    for launch, splits in itertools.product(((64, 3, 4), (64, 3, 8), (128, 3, 4), (128, 3, 8), (128, 2, 8)), (1, 8))
+]
 
 
 def _graph_ms(fn, repeats: int = 50) -> float:
@@ -116,7 +119,6 @@ def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch
     compiled(*args)
     row["compiled_ms"] = _graph_ms(lambda: compiled(*args))
     row["fused_ms"] = _graph_ms(lambda: _fused_chain(layer_triton, *args))
-    qkv = fused[0]
     mixed = layer_triton.linear_residual(attended, w["o"], None, x)
     activated = layer_triton.norm_gate_up_silu(mixed, w["post_norm"], 1e-6, w["gate"], w["up"])
     row["kernels_ms"] = {
@@ -128,7 +130,6 @@ def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch
             mixed, w["post_norm"], 1e-6, w["gate"], w["up"])),
         "down_residual": _graph_ms(lambda: layer_triton.linear_residual(activated, w["down"], None, mixed)),
     }
-    del qkv
     if sweep:
         row["sweep"] = []
         chosen = {key: getattr(layer_triton, key) for key in SWEEP[0]}
@@ -136,8 +137,10 @@ def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch
             for key, value in setting.items():
                 setattr(layer_triton, key, value)
             try:
+                outputs = _fused_chain(layer_triton, *args)
+                error = max((a.float() - b.float()).abs().max().item() for a, b in zip(outputs, reference))
                 ms = _graph_ms(lambda: _fused_chain(layer_triton, *args))
-                row["sweep"].append({**setting, "ms": ms})
+                row["sweep"].append({**setting, "ms": ms, "max_abs_error": error})
             except Exception as error:  # a setting that does not fit the shared memory
                 row["sweep"].append({**setting, "error": str(error).splitlines()[0][:120]})
         for key, value in chosen.items():

@@ -9,6 +9,11 @@ pairs), SiLU·mul on the gate/up GEMM (a program owns matching gate and up colum
 O and down projections. The weights are read from the model's own linears: nothing is copied, so an optimizer step
 between calls needs nothing refreshed.
 
+At decode row counts a GEMM has few output tiles (15 Q/K/V heads for SmolLM2), so each program's K loop, a chain of
+dependent loads, sets the time. Where the tiles leave SMs idle the K range is split over several programs
+(`_splits`); each stores its float32 partial sums, and the last of a tile's programs to arrive (an atomic count)
+adds them in split order and runs the epilogue: one launch, and the same result in every launch.
+
 Every function has the signature and results of its reference (`layer_reference.py`); tests compare them, on CUDA
 and under `TRITON_INTERPRET=1`.
 """
@@ -27,11 +32,85 @@ def _block_m(rows: int) -> int:
     return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
-_BLOCK_K = 64
 # The row count `M` changes from step to step and is left unspecialized (`do_not_specialize`): no new variant is
 # compiled when it happens to be 1 or a multiple of 16 (see `triton_backend`).
-_STAGES = 2  # float32 tiles of 64 x 64 in three stages would crowd the shared memory the two accumulators leave
-_WARPS = 4
+
+# `(BLOCK_K bytes per row, pipeline stages, warps)`: one row block (draft passes and dense steps, up to 64 rows) runs
+# best with 256-byte K tiles and eight warps, more row blocks (verify blocks) with 128-byte tiles and four warps;
+# three stages in both (docs/benchmarks.md, "Kernel launch settings"). `LAUNCH_OVERRIDE` replaces the choice (the
+# tuning tool's sweep).
+LAUNCH_OVERRIDE: tuple[int, int, int] | None = None
+MAX_SPLITS = 8  # most programs one output tile's K range is split over
+
+
+def _launch(rows: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """`(BLOCK_K, stages, warps)` for a GEMM over `rows` rows of `dtype`."""
+    if LAUNCH_OVERRIDE is not None:
+        return LAUNCH_OVERRIDE
+    row_bytes, stages, warps = (256, 3, 8) if rows <= 64 else (128, 3, 4)
+    return row_bytes // dtype.itemsize, stages, warps
+
+
+_sm_counts: dict[torch.device, int] = {}
+_arrival_counts: dict[torch.device, torch.Tensor] = {}
+_MAX_TILES = 4096
+
+
+def _sm_count(device: torch.device) -> int:
+    if device not in _sm_counts:
+        _sm_counts[device] = (
+            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        )
+    return _sm_counts[device]
+
+
+def _splits(device: torch.device, programs: int, k_blocks: int) -> int:
+    """Over how many programs each output tile's K range is split: doubled while the grid still fits the GPU's SMs
+    once and each split keeps a K block, then lowered where equal shares of the blocks fill fewer. The point is the
+    latency of each program's K loop, a chain of dependent loads, at decode row counts (see the module's docstring)."""
+    splits = 1
+    while splits * 2 <= min(MAX_SPLITS, k_blocks) and programs * splits * 2 <= _sm_count(device):
+        splits *= 2
+    return triton.cdiv(k_blocks, triton.cdiv(k_blocks, splits))  # as many as the K blocks fill: none left empty
+
+
+def _split_buffers(device: torch.device, splits: int, tiles: int, tile_elements: int):
+    """`(partials, arrival counts)` of a split launch: a float32 workspace for every program's partial sums, and one
+    arrival count per output tile. The counts start at zero and the last program of each tile resets its count, so
+    one zeroed buffer per device serves every launch, CUDA-graph replays included (launches on one stream run one
+    after another). It is created on first use, which is outside any capture: `capture_graph` runs a warm-up first."""
+    if tiles > _MAX_TILES:
+        raise ValueError(f"a split launch of {tiles} output tiles; the arrival counts hold {_MAX_TILES}")
+    if device not in _arrival_counts:
+        _arrival_counts[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    partials = torch.empty(splits * tiles * tile_elements, dtype=torch.float32, device=device)
+    return partials, _arrival_counts[device]
+
+
+@triton.jit
+def _store_partial(acc, partials_ptr, slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(partials_ptr + slot * (BLOCK_M * BLOCK_N) + offsets, acc)
+
+
+@triton.jit
+def _arrive_last(counts_ptr, tile, SPLITS: tl.constexpr):
+    """Whether this program is the last of its tile's `SPLITS` to have stored its partial sums."""
+    tl.debug_barrier()  # every thread's partial is written before the count says so
+    arrived = tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    return arrived == SPLITS - 1
+
+
+@triton.jit
+def _sum_partials(partials_ptr, tile, index, TILES, NUM_ACC: tl.constexpr, SPLITS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Accumulator `index` of `tile` summed over its splits in split order (the same order every launch)."""
+    offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for split in tl.static_range(SPLITS):
+        slot = (split * TILES + tile) * NUM_ACC + index
+        total += tl.load(partials_ptr + slot * (BLOCK_M * BLOCK_N) + offsets, cache_modifier=".cg")
+    return total
 
 
 @triton.jit
@@ -59,34 +138,17 @@ def _normed_tile(x_ptr, norm_ptr, rows, row_ok, rstd, k0, stride_xm, K, BLOCK_K:
     return (normed.to(tl.float32) * weight.to(tl.float32)[None, :]).to(dtype), ks, k_ok
 
 
-@triton.jit(do_not_specialize=["M"])
-def _norm_qkv_rope_kernel(
-    x_ptr, norm_ptr, qw_ptr, kw_ptr, vw_ptr, qb_ptr, kb_ptr, vb_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, out_ptr,
-    M, K, stride_xm, stride_cm, stride_om, stride_oh, eps, head_eps,
-    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HEAD_NORM: tl.constexpr, PRECISION: tl.constexpr,
-):
-    head = tl.program_id(1)  # queries 0..HQ-1, keys HQ..HQ+HKV-1, values after them
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    dims = tl.arange(0, HALF)
-    if head < HQ:
-        weight, bias, head_norm = qw_ptr + head * 2 * HALF * K, qb_ptr + head * 2 * HALF, qn_ptr
-    elif head < HQ + HKV:
-        weight, bias, head_norm = kw_ptr + (head - HQ) * 2 * HALF * K, kb_ptr + (head - HQ) * 2 * HALF, kn_ptr
-    else:
-        weight, bias, head_norm = (
-            vw_ptr + (head - HQ - HKV) * 2 * HALF * K, vb_ptr + (head - HQ - HKV) * 2 * HALF, kn_ptr
-        )
-    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K)
-    low = tl.zeros([BLOCK_M, HALF], tl.float32)  # the head's first half of dimensions
-    high = tl.zeros([BLOCK_M, HALF], tl.float32)  # its second half: `rotate_half` pairs dimension i with i + HALF
-    for k0 in range(0, K, BLOCK_K):
-        normed, ks, k_ok = _normed_tile(x_ptr, norm_ptr, rows, row_ok, rstd, k0, stride_xm, K, BLOCK_K)
-        w_low = tl.load(weight + dims[:, None] * K + ks[None, :], mask=k_ok[None, :], other=0.0)
-        w_high = tl.load(weight + (dims + HALF)[:, None] * K + ks[None, :], mask=k_ok[None, :], other=0.0)
-        low += tl.dot(normed, tl.trans(w_low), input_precision=PRECISION)
-        high += tl.dot(normed, tl.trans(w_high), input_precision=PRECISION)
+@triton.jit
+def _k_range(K, K_PER_SPLIT):
+    """This program's `[begin, end)` of the reduction dimension (all of it unless the launch is split)."""
+    begin = tl.program_id(2) * K_PER_SPLIT
+    return begin, tl.minimum(begin + K_PER_SPLIT, K)
+
+
+@triton.jit
+def _qkv_epilogue(low, high, rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin_ptr, out_ptr, stride_cm,
+                  stride_om, stride_oh, head_eps, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, HEAD_NORM: tl.constexpr):
     if HAS_BIAS:
         low += tl.load(bias + dims).to(tl.float32)[None, :]
         high += tl.load(bias + HALF + dims).to(tl.float32)[None, :]
@@ -106,6 +168,52 @@ def _norm_qkv_rope_kernel(
     dtype = out_ptr.dtype.element_ty
     tl.store(out, low.to(dtype), mask=row_ok[:, None])
     tl.store(out + HALF, high.to(dtype), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["M", "K_PER_SPLIT"])
+def _norm_qkv_rope_kernel(
+    x_ptr, norm_ptr, qw_ptr, kw_ptr, vw_ptr, qb_ptr, kb_ptr, vb_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, out_ptr,
+    partials_ptr, counts_ptr, M, K, K_PER_SPLIT, stride_xm, stride_cm, stride_om, stride_oh, eps, head_eps,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_NORM: tl.constexpr, PRECISION: tl.constexpr,
+):
+    head = tl.program_id(1)  # queries 0..HQ-1, keys HQ..HQ+HKV-1, values after them
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    dims = tl.arange(0, HALF)
+    if head < HQ:
+        weight, bias, head_norm = qw_ptr + head * 2 * HALF * K, qb_ptr + head * 2 * HALF, qn_ptr
+    elif head < HQ + HKV:
+        weight, bias, head_norm = kw_ptr + (head - HQ) * 2 * HALF * K, kb_ptr + (head - HQ) * 2 * HALF, kn_ptr
+    else:
+        weight, bias, head_norm = (
+            vw_ptr + (head - HQ - HKV) * 2 * HALF * K, vb_ptr + (head - HQ - HKV) * 2 * HALF, kn_ptr
+        )
+    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K)
+    low = tl.zeros([BLOCK_M, HALF], tl.float32)  # the head's first half of dimensions
+    high = tl.zeros([BLOCK_M, HALF], tl.float32)  # its second half: `rotate_half` pairs dimension i with i + HALF
+    begin, end = _k_range(K, K_PER_SPLIT)
+    for k0 in range(begin, end, BLOCK_K):
+        normed, ks, k_ok = _normed_tile(x_ptr, norm_ptr, rows, row_ok, rstd, k0, stride_xm, K, BLOCK_K)
+        w_low = tl.load(weight + dims[:, None] * K + ks[None, :], mask=k_ok[None, :], other=0.0)
+        w_high = tl.load(weight + (dims + HALF)[:, None] * K + ks[None, :], mask=k_ok[None, :], other=0.0)
+        low += tl.dot(normed, tl.trans(w_low), input_precision=PRECISION)
+        high += tl.dot(normed, tl.trans(w_high), input_precision=PRECISION)
+    epilogue_args = (rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin_ptr, out_ptr, stride_cm, stride_om,
+                     stride_oh, head_eps, HQ, HKV, HALF, HAS_BIAS, HEAD_NORM)
+    if SPLITS == 1:
+        _qkv_epilogue(low, high, *epilogue_args)
+    else:
+        tiles = tl.num_programs(0) * tl.num_programs(1)
+        tile = tl.program_id(0) * tl.num_programs(1) + head
+        slot = (tl.program_id(2) * tiles + tile) * 2
+        _store_partial(low, partials_ptr, slot, BLOCK_M, HALF)
+        _store_partial(high, partials_ptr, slot + 1, BLOCK_M, HALF)
+        if _arrive_last(counts_ptr, tile, SPLITS):
+            low = _sum_partials(partials_ptr, tile, 0, tiles, 2, SPLITS, BLOCK_M, HALF)
+            high = _sum_partials(partials_ptr, tile, 1, tiles, 2, SPLITS, BLOCK_M, HALF)
+            tl.store(counts_ptr + tile, 0)  # ready for the next launch
+            _qkv_epilogue(low, high, *epilogue_args)
 
 
 def norm_qkv_rope(
@@ -136,22 +244,29 @@ def norm_qkv_rope(
     head_norm = q_norm_weight is not None
     placeholder = norm_weight  # any pointer of the weights' dtype where an optional tensor is absent
     block_m = _block_m(rows)
-    _norm_qkv_rope_kernel[(triton.cdiv(rows, block_m), num_heads + 2 * num_kv_heads)](
+    block_k, stages, warps = _launch(rows, x.dtype)
+    grid = (triton.cdiv(rows, block_m), num_heads + 2 * num_kv_heads)
+    k_blocks = triton.cdiv(hidden, block_k)
+    splits = _splits(x.device, grid[0] * grid[1], k_blocks)
+    partials, counts = _split_buffers(x.device, splits, grid[0] * grid[1], 2 * block_m * head_dim // 2)
+    _norm_qkv_rope_kernel[(*grid, splits)](
         x, norm_weight, q_weight.contiguous(), k_weight.contiguous(), v_weight.contiguous(),
         q_bias if has_bias else placeholder, k_bias if has_bias else placeholder, v_bias if has_bias else placeholder,
         cos, sin, q_norm_weight if head_norm else placeholder, k_norm_weight if head_norm else placeholder, out,
-        rows, hidden, x.stride(0), cos.stride(0), out.stride(0), out.stride(1), eps, head_norm_eps,
-        HQ=num_heads, HKV=num_kv_heads, HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_K=_BLOCK_K,
-        HAS_BIAS=has_bias, HEAD_NORM=head_norm, PRECISION=_dot_precision(x.dtype), num_warps=_WARPS,
-        num_stages=_STAGES,
+        partials, counts, rows, hidden, triton.cdiv(k_blocks, splits) * block_k, x.stride(0), cos.stride(0),
+        out.stride(0), out.stride(1), eps, head_norm_eps,
+        HQ=num_heads, HKV=num_kv_heads, HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_K=block_k, SPLITS=splits,
+        HAS_BIAS=has_bias, HEAD_NORM=head_norm, PRECISION=_dot_precision(x.dtype), num_warps=warps,
+        num_stages=stages,
     )
     return out
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "K_PER_SPLIT"])
 def _norm_gate_up_silu_kernel(
-    x_ptr, norm_ptr, gate_ptr, up_ptr, out_ptr, M, K, N, stride_xm, stride_om, eps,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr, norm_ptr, gate_ptr, up_ptr, out_ptr, partials_ptr, counts_ptr, M, K, N, K_PER_SPLIT, stride_xm,
+    stride_om, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -159,24 +274,42 @@ def _norm_gate_up_silu_kernel(
     rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    begin, end = _k_range(K, K_PER_SPLIT)
+    for k0 in range(begin, end, BLOCK_K):
         normed, ks, k_ok = _normed_tile(x_ptr, norm_ptr, rows, row_ok, rstd, k0, stride_xm, K, BLOCK_K)
         mask = col_ok[:, None] & k_ok[None, :]
         w_gate = tl.load(gate_ptr + cols[:, None] * K + ks[None, :], mask=mask, other=0.0)
         w_up = tl.load(up_ptr + cols[:, None] * K + ks[None, :], mask=mask, other=0.0)
         gate += tl.dot(normed, tl.trans(w_gate), input_precision=PRECISION)
         up += tl.dot(normed, tl.trans(w_up), input_precision=PRECISION)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLITS == 1:
+        tl.store(out, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tiles = tl.num_programs(0) * tl.num_programs(1)
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        slot = (tl.program_id(2) * tiles + tile) * 2
+        _store_partial(gate, partials_ptr, slot, BLOCK_M, BLOCK_N)
+        _store_partial(up, partials_ptr, slot + 1, BLOCK_M, BLOCK_N)
+        if _arrive_last(counts_ptr, tile, SPLITS):
+            gate = _sum_partials(partials_ptr, tile, 0, tiles, 2, SPLITS, BLOCK_M, BLOCK_N)
+            up = _sum_partials(partials_ptr, tile, 1, tiles, 2, SPLITS, BLOCK_M, BLOCK_N)
+            tl.store(counts_ptr + tile, 0)
+            tl.store(out, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _tiles(rows: int, columns: int) -> tuple[int, int, tuple[int, int]]:
-    """`(BLOCK_M, BLOCK_N, grid)` of a GEMM kernel over `[rows, columns]` outputs: 64 columns per program, or 32
-    where 64 would leave most of an H200's 132 SMs without a program."""
+def _tiles(device: torch.device, rows: int, columns: int, inner: int, dtype: torch.dtype):
+    """`(BLOCK_M, BLOCK_N, BLOCK_K, splits, grid, stages, warps)` of a GEMM over `[rows, columns]` outputs and an
+    `inner`-long reduction: 64 columns per program, or 32 where 64 would leave most of the GPU's SMs without a
+    program; then the K range split (`_splits`) until the programs fill the SMs."""
     block_m = _block_m(rows)
-    block_n = 64 if triton.cdiv(rows, block_m) * triton.cdiv(columns, 64) >= 132 else 32
-    return block_m, block_n, (triton.cdiv(rows, block_m), triton.cdiv(columns, block_n))
+    block_k, stages, warps = _launch(rows, dtype)
+    row_blocks = triton.cdiv(rows, block_m)
+    block_n = 64 if row_blocks * triton.cdiv(columns, 64) >= _sm_count(device) else 32
+    grid = (row_blocks, triton.cdiv(columns, block_n))
+    splits = _splits(device, grid[0] * grid[1], triton.cdiv(inner, block_k))
+    return block_m, block_n, block_k, splits, (*grid, splits), stages, warps
 
 
 def norm_gate_up_silu(
@@ -189,38 +322,56 @@ def norm_gate_up_silu(
     if rows == 0:
         return out
     x = x.contiguous()
-    block_m, block_n, grid = _tiles(rows, columns)
+    block_m, block_n, block_k, splits, grid, stages, warps = _tiles(x.device, rows, columns, hidden, x.dtype)
+    partials, counts = _split_buffers(x.device, splits, grid[0] * grid[1], 2 * block_m * block_n)
     _norm_gate_up_silu_kernel[grid](
-        x, norm_weight, gate_weight.contiguous(), up_weight.contiguous(), out, rows, hidden, columns,
-        x.stride(0), out.stride(0), eps,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, PRECISION=_dot_precision(x.dtype), num_warps=_WARPS,
-        num_stages=_STAGES,
+        x, norm_weight, gate_weight.contiguous(), up_weight.contiguous(), out, partials, counts, rows, hidden,
+        columns, triton.cdiv(triton.cdiv(hidden, block_k), splits) * block_k, x.stride(0), out.stride(0), eps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, PRECISION=_dot_precision(x.dtype),
+        num_warps=warps, num_stages=stages,
     )
     return out
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
+def _residual_epilogue(acc, b_ptr, res_ptr, out_ptr, rows, cols, row_ok, col_ok, stride_rm, stride_om,
+                       HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    acc += tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "K_PER_SPLIT"])
 def _linear_residual_kernel(
-    x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, M, K, N, stride_xm, stride_rm, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, partials_ptr, counts_ptr, M, K, N, K_PER_SPLIT, stride_xm, stride_rm,
+    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    begin, end = _k_range(K, K_PER_SPLIT)
+    for k0 in range(begin, end, BLOCK_K):
         k_ok = (k0 + ks) < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         w = tl.load(w_ptr + cols[:, None] * K + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
-    acc += tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    epilogue_args = (b_ptr, res_ptr, out_ptr, rows, cols, row_ok, col_ok, stride_rm, stride_om, HAS_BIAS)
+    if SPLITS == 1:
+        _residual_epilogue(acc, *epilogue_args)
+    else:
+        tiles = tl.num_programs(0) * tl.num_programs(1)
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        _store_partial(acc, partials_ptr, tl.program_id(2) * tiles + tile, BLOCK_M, BLOCK_N)
+        if _arrive_last(counts_ptr, tile, SPLITS):
+            acc = _sum_partials(partials_ptr, tile, 0, tiles, 1, SPLITS, BLOCK_M, BLOCK_N)
+            tl.store(counts_ptr + tile, 0)
+            _residual_epilogue(acc, *epilogue_args)
 
 
 def linear_residual(
@@ -233,12 +384,13 @@ def linear_residual(
     if rows == 0:
         return out
     x, residual = x.contiguous(), residual.contiguous()
-    block_m, block_n, grid = _tiles(rows, columns)
+    block_m, block_n, block_k, splits, grid, stages, warps = _tiles(x.device, rows, columns, inner, x.dtype)
+    partials, counts = _split_buffers(x.device, splits, grid[0] * grid[1], block_m * block_n)
     _linear_residual_kernel[grid](
-        x, weight.contiguous(), bias if bias is not None else weight, residual, out, rows, inner, columns,
-        x.stride(0), residual.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, HAS_BIAS=bias is not None,
-        PRECISION=_dot_precision(x.dtype), num_warps=_WARPS, num_stages=_STAGES,
+        x, weight.contiguous(), bias if bias is not None else weight, residual, out, partials, counts, rows, inner,
+        columns, triton.cdiv(triton.cdiv(inner, block_k), splits) * block_k, x.stride(0), residual.stride(0),
+        out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, HAS_BIAS=bias is not None,
+        PRECISION=_dot_precision(x.dtype), num_warps=warps, num_stages=stages,
     )
     return out
 
