@@ -139,10 +139,13 @@ def _normed_tile(x_ptr, norm_ptr, rows, row_ok, rstd, k0, stride_xm, K, BLOCK_K:
 
 
 @triton.jit
-def _k_range(K, K_PER_SPLIT):
-    """This program's `[begin, end)` of the reduction dimension (all of it unless the launch is split)."""
-    begin = tl.program_id(2) * K_PER_SPLIT
-    return begin, tl.minimum(begin + K_PER_SPLIT, K)
+def _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr):
+    """This program's `[begin, end)` of the reduction dimension (all of it unless the launch is split). `begin` is
+    a product with `BLOCK_K`, so the compiler knows every K tile's alignment and vectorizes its loads."""
+    if SPLITS == 1:
+        return 0, K
+    begin = tl.program_id(2) * BLOCKS_PER_SPLIT * BLOCK_K
+    return begin, tl.minimum(begin + BLOCKS_PER_SPLIT * BLOCK_K, K)
 
 
 @triton.jit
@@ -170,10 +173,10 @@ def _qkv_epilogue(low, high, rows, row_ok, dims, head, bias, head_norm, cos_ptr,
     tl.store(out + HALF, high.to(dtype), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["M", "K_PER_SPLIT"])
+@triton.jit(do_not_specialize=["M", "BLOCKS_PER_SPLIT"])
 def _norm_qkv_rope_kernel(
     x_ptr, norm_ptr, qw_ptr, kw_ptr, vw_ptr, qb_ptr, kb_ptr, vb_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, out_ptr,
-    partials_ptr, counts_ptr, M, K, K_PER_SPLIT, stride_xm, stride_cm, stride_om, stride_oh, eps, head_eps,
+    partials_ptr, counts_ptr, M, K, BLOCKS_PER_SPLIT, stride_xm, stride_cm, stride_om, stride_oh, eps, head_eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_NORM: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -192,7 +195,7 @@ def _norm_qkv_rope_kernel(
     rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K)
     low = tl.zeros([BLOCK_M, HALF], tl.float32)  # the head's first half of dimensions
     high = tl.zeros([BLOCK_M, HALF], tl.float32)  # its second half: `rotate_half` pairs dimension i with i + HALF
-    begin, end = _k_range(K, K_PER_SPLIT)
+    begin, end = _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K, SPLITS)
     for k0 in range(begin, end, BLOCK_K):
         normed, ks, k_ok = _normed_tile(x_ptr, norm_ptr, rows, row_ok, rstd, k0, stride_xm, K, BLOCK_K)
         w_low = tl.load(weight + dims[:, None] * K + ks[None, :], mask=k_ok[None, :], other=0.0)
@@ -253,7 +256,7 @@ def norm_qkv_rope(
         x, norm_weight, q_weight.contiguous(), k_weight.contiguous(), v_weight.contiguous(),
         q_bias if has_bias else placeholder, k_bias if has_bias else placeholder, v_bias if has_bias else placeholder,
         cos, sin, q_norm_weight if head_norm else placeholder, k_norm_weight if head_norm else placeholder, out,
-        partials, counts, rows, hidden, triton.cdiv(k_blocks, splits) * block_k, x.stride(0), cos.stride(0),
+        partials, counts, rows, hidden, triton.cdiv(k_blocks, splits), x.stride(0), cos.stride(0),
         out.stride(0), out.stride(1), eps, head_norm_eps,
         HQ=num_heads, HKV=num_kv_heads, HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_K=block_k, SPLITS=splits,
         HAS_BIAS=has_bias, HEAD_NORM=head_norm, PRECISION=_dot_precision(x.dtype), num_warps=warps,
@@ -262,9 +265,9 @@ def norm_qkv_rope(
     return out
 
 
-@triton.jit(do_not_specialize=["M", "K_PER_SPLIT"])
+@triton.jit(do_not_specialize=["M", "BLOCKS_PER_SPLIT"])
 def _norm_gate_up_silu_kernel(
-    x_ptr, norm_ptr, gate_ptr, up_ptr, out_ptr, partials_ptr, counts_ptr, M, K, N, K_PER_SPLIT, stride_xm,
+    x_ptr, norm_ptr, gate_ptr, up_ptr, out_ptr, partials_ptr, counts_ptr, M, K, N, BLOCKS_PER_SPLIT, stride_xm,
     stride_om, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -274,7 +277,7 @@ def _norm_gate_up_silu_kernel(
     rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    begin, end = _k_range(K, K_PER_SPLIT)
+    begin, end = _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K, SPLITS)
     for k0 in range(begin, end, BLOCK_K):
         normed, ks, k_ok = _normed_tile(x_ptr, norm_ptr, rows, row_ok, rstd, k0, stride_xm, K, BLOCK_K)
         mask = col_ok[:, None] & k_ok[None, :]
@@ -326,7 +329,7 @@ def norm_gate_up_silu(
     partials, counts = _split_buffers(x.device, splits, grid[0] * grid[1], 2 * block_m * block_n)
     _norm_gate_up_silu_kernel[grid](
         x, norm_weight, gate_weight.contiguous(), up_weight.contiguous(), out, partials, counts, rows, hidden,
-        columns, triton.cdiv(triton.cdiv(hidden, block_k), splits) * block_k, x.stride(0), out.stride(0), eps,
+        columns, triton.cdiv(triton.cdiv(hidden, block_k), splits), x.stride(0), out.stride(0), eps,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, PRECISION=_dot_precision(x.dtype),
         num_warps=warps, num_stages=stages,
     )
@@ -343,9 +346,9 @@ def _residual_epilogue(acc, b_ptr, res_ptr, out_ptr, rows, cols, row_ok, col_ok,
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M", "K_PER_SPLIT"])
+@triton.jit(do_not_specialize=["M", "BLOCKS_PER_SPLIT"])
 def _linear_residual_kernel(
-    x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, partials_ptr, counts_ptr, M, K, N, K_PER_SPLIT, stride_xm, stride_rm,
+    x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, partials_ptr, counts_ptr, M, K, N, BLOCKS_PER_SPLIT, stride_xm, stride_rm,
     stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -354,7 +357,7 @@ def _linear_residual_kernel(
     row_ok, col_ok = rows < M, cols < N
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    begin, end = _k_range(K, K_PER_SPLIT)
+    begin, end = _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K, SPLITS)
     for k0 in range(begin, end, BLOCK_K):
         k_ok = (k0 + ks) < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
@@ -388,7 +391,7 @@ def linear_residual(
     partials, counts = _split_buffers(x.device, splits, grid[0] * grid[1], block_m * block_n)
     _linear_residual_kernel[grid](
         x, weight.contiguous(), bias if bias is not None else weight, residual, out, partials, counts, rows, inner,
-        columns, triton.cdiv(triton.cdiv(inner, block_k), splits) * block_k, x.stride(0), residual.stride(0),
+        columns, triton.cdiv(triton.cdiv(inner, block_k), splits), x.stride(0), residual.stride(0),
         out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, HAS_BIAS=bias is not None,
         PRECISION=_dot_precision(x.dtype), num_warps=warps, num_stages=stages,
     )
