@@ -38,7 +38,8 @@
 #   smol-queue   the headline bench with 4 x B requests run B at a time (a rollout queue: no straggler tail);
 #                SMOL_BATCH=256 runs the SmolLM2 steps at the engine's default concurrency (160-256) instead
 #   profile      CUDA kernels per AR step and per S3R round, SmolLM2 4K, graphs + compiled layers
-#   profile-qwen the same for the Qwen3-1.7B shape at B=64, S=8K, forced acceptance $QWEN_ACCEPT (see qwen)
+#   profile-qwen the same for the Qwen3-1.7B shape at B=64, S=8K, forced acceptance $QWEN_ACCEPT (see qwen);
+#                PROFILE_EXTRA adds options to both (e.g. --fused-layers)
 #   host-profile the profile step's calls under cProfile: where the host spends a step (SmolLM2 4K)
 #   smol-fp32    fp32 greedy exactness of S3R against engine AR at 4K
 #   divergence   greedy model.generate vs engine AR vs S3R, compiled or not: rows that part, and the reference's
@@ -186,7 +187,7 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
   smol-queue) smol_bench smol_queue --requests $((4 * ${SMOL_BATCH:-64})) --skip-generate ;;
   profile)
     timeout 240 python3 tools/profile_engine.py --model "$smol" "${data_flag[@]}" --batch 64 --seq ${SMOL_SEQ:-4096} \
-      --budget 0.05 --min-budget 64 --cuda-graphs --compile-layers 2>&1 | grep -v -i warn | tee "$OUT/profile.log" \
+      --budget 0.05 --min-budget 64 --cuda-graphs --compile-layers ${PROFILE_EXTRA:-} 2>&1 | grep -v -i warn | tee "$OUT/profile.log" \
       | tail -100
     ;;
   host-profile)
@@ -196,7 +197,8 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     ;;
   profile-qwen)
     timeout 290 python3 tools/profile_engine.py --model qwen3-1.7b --batch 64 --seq 8192 --max-new-tokens 64 \
-      --acceptance ${QWEN_ACCEPT:-0.93} --cuda-graphs --compile-layers 2>&1 | grep -v -i warn | tee "$OUT/profile_qwen.log" | tail -100
+      --acceptance ${QWEN_ACCEPT:-0.93} --cuda-graphs --compile-layers ${PROFILE_EXTRA:-} 2>&1 | grep -v -i warn \
+      | tee "$OUT/profile_qwen.log" | tail -100
     ;;
   smol-fp32)
     # An exactness check, not a timing: the fp32 prefill of 64 x 4K tokens alone takes 85-93 s per method, so the

@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--compile-layers", action="store_true")
+    parser.add_argument("--fused-layers", action="store_true")
     parser.add_argument("--python", action="store_true", help="profile host Python (cProfile) instead of kernels")
     args = parser.parse_args()
     model, tokenizer = build_model(args.model, torch.bfloat16, "cuda")
@@ -82,7 +83,7 @@ def main() -> None:
     else:
         input_ids = random_prompts(model.config.vocab_size, args.batch, args.seq).cuda()
     config = S3RConfig(prefill_chunk_size=8192, cuda_graphs=args.cuda_graphs, compile_layers=args.compile_layers,
-                       budget_ratio=args.budget, min_budget=args.min_budget)
+                       fused_layers=args.fused_layers, budget_ratio=args.budget, min_budget=args.min_budget)
     common = dict(attention_mask=torch.ones_like(input_ids), do_sample=False, pad_token_id=0, eos_token_id=None,
                   s3r_config=config, s3r_timing=True)
     per_token = {}  # mode -> (wall µs, kernel µs) per committed token
