@@ -5,7 +5,8 @@
 
 For each model shape and row count (64: a draft pass or an AR step at B=64; 448: a verify block of 64 requests x 7
 queries; 16: a rollout's tail) it times, replayed from a CUDA graph as the engine runs them:
-  torch      the layer's ops as transformers runs them (bf16 `F.linear`, RMSNorm, rotary, SiLU * up, residuals)
+  torch      the layer's ops as transformers runs them (bf16 `F.linear`, RMSNorm, rotary, SiLU * up, residuals),
+             with Q/K/V and gate/up each one GEMM over concatenated weights, as the compiled layers run them
   compiled   the same under `torch.compile` (what `compile_layers` gives)
   fused      the three kernels of `kernels/layer_triton.py` (four launches), and each kernel alone
 The attention is left out: its input is a fixed tensor. The fused output is compared with the reference
@@ -88,15 +89,15 @@ def _torch_chain(w: dict, shape: dict, x, attended, cos, sin):
 
     rows, dim = x.shape[0], shape["head_dim"]
     normed = norm(x, w["input_norm"])
-    q = F.linear(normed, w["q"]).view(rows, -1, dim)
-    k = F.linear(normed, w["k"]).view(rows, -1, dim)
-    v = F.linear(normed, w["v"]).view(rows, -1, dim)
+    # One GEMM for Q/K/V and one for gate/up, as the compiled layers run them (`fused_projections`).
+    q, k, v = F.linear(normed, w["qkv"]).view(rows, -1, dim).split([shape["heads"], *[shape["kv_heads"]] * 2], 1)
     if w["q_norm"] is not None:
         q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
     qkv = torch.cat([rotate(q), rotate(k), v], 1)
     mixed = x + F.linear(attended, w["o"])
     normed = norm(mixed, w["post_norm"])
-    return qkv, mixed + F.linear(F.silu(F.linear(normed, w["gate"])) * F.linear(normed, w["up"]), w["down"])
+    gate, up = F.linear(normed, w["gate_up"]).chunk(2, dim=-1)
+    return qkv, mixed + F.linear(F.silu(gate) * up, w["down"])
 
 
 def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch.dtype) -> dict:
@@ -107,8 +108,9 @@ def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch
     attended = torch.randn(rows, shape["heads"] * shape["head_dim"], generator=generator, device="cuda").to(dtype)
     angles = torch.rand(rows, shape["head_dim"] // 2, generator=generator, device="cuda") * 100
     cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
-    args = (w, shape, x, attended, cos, sin)
     weight_bytes = sum(t.numel() * t.element_size() for t in w.values() if t is not None)
+    w = {**w, "qkv": torch.cat([w["q"], w["k"], w["v"]]), "gate_up": torch.cat([w["gate"], w["up"]])}
+    args = (w, shape, x, attended, cos, sin)
     row = {"shape": name, "rows": rows, "floor_ms": weight_bytes / bandwidth * 1e3}
 
     reference = _fused_chain(layer_reference, *args)
