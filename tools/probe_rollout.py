@@ -14,8 +14,10 @@ the kernels and host functions that took the most time.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import logging
+import pstats
 from collections import Counter
 
 import torch
@@ -44,6 +46,10 @@ def main() -> None:
     parser.add_argument("--eval-mode", action="store_true", help="generate in eval mode (GRPO: training mode)")
     parser.add_argument("--s3r-config", default="{}", help="S3RConfig fields as JSON")
     parser.add_argument("--rows", type=int, default=25, help="kernels and host functions listed")
+    parser.add_argument("--mode", default="s3r", choices=["s3r", "ar"], help="S3R or the engine's dense decoding")
+    parser.add_argument("--no-logprobs", action="store_true", help="as a plain rollout: no log-probabilities")
+    parser.add_argument("--host", action="store_true",
+                        help="profile the last call's host Python (cProfile, by own time) instead of its kernels")
     args = parser.parse_args()
 
     # The engine logs each CUDA-graph capture (kind, bucket, seconds) at info level.
@@ -54,10 +60,10 @@ def main() -> None:
     enable(model)
     model.train(not args.eval_mode)
     batch = build_batch(tokenizer, grpo_prompts(args.data, args.prompts, args.generations), device)
-    config = {"return_logprobs": True, **json.loads(args.s3r_config)}
+    config = {"return_logprobs": not args.no_logprobs, **json.loads(args.s3r_config)}
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                   pad_token_id=tokenizer.pad_token_id, s3r_config=config, s3r_timing=True,
-                  return_dict_in_generate=True)
+                  return_dict_in_generate=True, s3r_mode=args.mode)
     print(f"{batch['input_ids'].shape[0]} rows, prompts {batch['attention_mask'].sum(1).min().item()}-"
           f"{batch['attention_mask'].sum(1).max().item()} tokens, {args.dtype}, "
           f"{'eval' if args.eval_mode else 'train'} mode, {config}")
@@ -72,6 +78,15 @@ def main() -> None:
               f"({1e3 * (stats.decode_seconds - stats.graph_capture_seconds) / max(stats.steps, 1):.1f} ms each), "
               f"tau {stats.tau:.2f}")
 
+    if args.host:
+        torch.manual_seed(args.calls)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        output, wall = timed_generate(model, batch, **kwargs)
+        profiler.disable()
+        print(f"profiled call (cProfile): {wall:.2f} s wall, {output.s3r_stats.steps} steps")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.rows)
+        return
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     torch.manual_seed(args.calls)
     with profile(activities=activities) as prof:
