@@ -87,6 +87,13 @@ def speculative_accept(
     """
     num_requests, k = draft_tokens.shape
     device = target_scores.device
+    if k == 0:  # a dense step: no drafts to test, the next token is a plain draw from p (what follows reduces to it)
+        first = target_scores[:, 0]
+        num_accepted = torch.zeros(num_requests, dtype=torch.long, device=device)
+        if greedy:
+            return AcceptResult(num_accepted=num_accepted, next_tokens=first.argmax(dim=-1))
+        next_tokens = sample_proportional(torch.softmax(first.float(), dim=-1), generator)
+        return AcceptResult(num_accepted=num_accepted, next_tokens=next_tokens)
     rows = torch.arange(num_requests, device=device)
     position = torch.arange(k, device=device)
     drafted = position[None, :] < num_drafts[:, None]  # [R, k]

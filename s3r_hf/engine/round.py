@@ -102,7 +102,10 @@ class SpeculativeRound:
         started = self.timer.stage_done("verify", started)
 
         # Accept; the decision is the one device-to-host read, and its copy is queued first.
-        num_drafts = self.runner.tensor(draft_counts)
+        num_drafts = (
+            self.runner.tensor(draft_counts) if max_drafts
+            else torch.zeros(len(requests), dtype=torch.long, device=self.runner.device)  # one launch, no copy
+        )
         num_accepted, next_tokens = self.acceptance.accept(
             draft_tokens, draft_scores, verified.target_scores, num_drafts, max_drafts
         )
@@ -128,6 +131,10 @@ class SpeculativeRound:
         launched = self.early.take_drafts(requests, draft_counts)
         if launched is not None:  # drafted while the host read and committed the previous round
             return launched
+        if not any(draft_counts):  # a dense step: no drafts, and its block tables only if its forward runs now
+            zeros = torch.zeros(len(requests), 1, dtype=torch.long, device=self.runner.device)
+            no_scores = zeros.new_empty(len(requests), 0, self.runner.vocab_size, dtype=torch.float)
+            return draft_counts, None, zeros, no_scores
         # Pages for the whole round were reserved before it: one block table serves every forward of the round.
         tables = self.cache.block_tables([r.slot for r in requests])
         draft_tokens, draft_scores = self.runner.draft(requests, draft_counts, tables, self.round_k)
@@ -137,6 +144,8 @@ class SpeculativeRound:
         """A dense step launched early serves unless the step drafts or packs prompt chunks (then it runs again)."""
         verified = self.early.take_dense_step(requests, scored=refresh)
         if verified is None or k > 0 or prompts is not None:
+            if tables is None:
+                tables = self.cache.block_tables([r.slot for r in requests])
             verified = self.runner.verify(
                 requests, draft_counts, draft_tokens, tables, round_k=k, scored=refresh, prompts=prompts
             )
