@@ -260,19 +260,24 @@ class DecodeGraphs:
         """Copy the step's metadata into the static buffers; rows past `count` become harmless padding."""
         static = step.plan
         scratch_row = self.cache.scratch_page * self.cache.page_size
+        # Each of these is a device launch, and on a small model a dense step costs its host work: padding is
+        # written only where there is some.
+        padded = count < step.input_ids.shape[1]
         step.input_ids[0, :count].copy_(input_ids)
-        step.input_ids[0, count:].zero_()
         static.position_ids[0, :count].copy_(plan.position_ids[0])
-        static.position_ids[0, count:].zero_()
         static.write_index[:count].copy_(plan.write_index)
-        static.write_index[count:].fill_(scratch_row)
         source = plan.dense if plan.dense is not None else plan.sparse
         target = static.dense if static.dense is not None else static.sparse
         target.positions[:count].copy_(source.positions)
-        target.positions[count:].zero_()
-        target.block_tables.zero_()
-        rows = source.block_tables.shape[0]
-        target.block_tables[:rows, : source.block_tables.shape[1]].copy_(source.block_tables)
+        if padded:
+            step.input_ids[0, count:].zero_()
+            static.position_ids[0, count:].zero_()
+            static.write_index[count:].fill_(scratch_row)
+            target.positions[count:].zero_()
+        rows, width = source.block_tables.shape
+        if width < target.block_tables.shape[1] or rows < target.block_tables.shape[0]:
+            target.block_tables.zero_()
+        target.block_tables[:rows, :width].copy_(source.block_tables)
         if kind in _BLOCK_KINDS:
             # Real segments first; all unused token slots form one padding segment; later segments are empty.
             target.cu_seqlens[: rows + 1].copy_(source.cu_seqlens)

@@ -84,6 +84,16 @@ class S3RStats:
         An entry with `num_drafted == 0` is a dense step of that request (one token from one dense position); it
         counts in `rounds`, `committed` and τ, and in `dense_steps` instead of `num_drafts`.
         """
+        if num_drafted and not any(num_drafted):  # a dense step (every step of dense decoding): the short way
+            rows = self._rows_entry(len(num_drafted))
+            rows["steps"] += 1
+            committed = sum(num_committed)
+            rows["tokens"] += committed
+            self.committed += committed
+            self.request_rounds += len(num_drafted)
+            self.dense_steps += len(num_drafted)
+            self.draft_length_counts[0] = self.draft_length_counts.get(0, 0) + len(num_drafted)
+            return
         lengths = Counter(num_drafted)
         self.request_rounds += len(num_drafted)
         self.dense_steps += lengths[0]
