@@ -37,8 +37,8 @@ def _block_m(rows: int) -> int:
 
 # `(BLOCK_K bytes per row, pipeline stages, warps)`: one row block (draft passes and dense steps, up to 64 rows) runs
 # best with 256-byte K tiles and eight warps, more row blocks (verify blocks) with 128-byte tiles and four warps;
-# three stages in both (docs/benchmarks.md, "Kernel launch settings"). `LAUNCH_OVERRIDE` replaces the choice (the
-# tuning tool's sweep).
+# three stages in both (docs/benchmarks.md, "Kernel launch settings"). `LAUNCH_OVERRIDE` replaces the choice
+# (`tools/layer_kernels.py --sweep`).
 LAUNCH_OVERRIDE: tuple[int, int, int] | None = None
 MAX_SPLITS = 8  # most programs one output tile's K range is split over
 
@@ -79,12 +79,14 @@ def _split_buffers(device: torch.device, splits: int, tiles: int, tile_elements:
     arrival count per output tile. The counts start at zero and the last program of each tile resets its count, so
     one zeroed buffer per device serves every launch, CUDA-graph replays included (launches on one stream run one
     after another). It is created on first use, which is outside any capture: `capture_graph` runs a warm-up first."""
-    if tiles > _MAX_TILES:
-        raise ValueError(f"a split launch of {tiles} output tiles; the arrival counts hold {_MAX_TILES}")
     if device not in _arrival_counts:
         _arrival_counts[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-    partials = torch.empty(splits * tiles * tile_elements, dtype=torch.float32, device=device)
-    return partials, _arrival_counts[device]
+    counts = _arrival_counts[device]
+    if splits == 1:  # the kernel reads neither: any float32 pointer will do, nothing is allocated
+        return counts.view(torch.float32), counts
+    if tiles > _MAX_TILES:  # a split launch has fewer programs than SMs, so far fewer tiles than this
+        raise ValueError(f"a split launch of {tiles} output tiles; the arrival counts hold {_MAX_TILES}")
+    return torch.empty(splits * tiles * tile_elements, dtype=torch.float32, device=device), counts
 
 
 @triton.jit
@@ -251,7 +253,7 @@ def norm_qkv_rope(
     grid = (triton.cdiv(rows, block_m), num_heads + 2 * num_kv_heads)
     k_blocks = triton.cdiv(hidden, block_k)
     splits = _splits(x.device, grid[0] * grid[1], k_blocks)
-    partials, counts = _split_buffers(x.device, splits, grid[0] * grid[1], 2 * block_m * head_dim // 2)
+    partials, counts = _split_buffers(x.device, splits, grid[0] * grid[1], 2 * block_m * (head_dim // 2))
     _norm_qkv_rope_kernel[(*grid, splits)](
         x, norm_weight, q_weight.contiguous(), k_weight.contiguous(), v_weight.contiguous(),
         q_bias if has_bias else placeholder, k_bias if has_bias else placeholder, v_bias if has_bias else placeholder,
