@@ -187,8 +187,8 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
   smol-queue) smol_bench smol_queue --requests $((4 * ${SMOL_BATCH:-64})) --skip-generate ;;
   profile)
     timeout 240 python3 tools/profile_engine.py --model "$smol" "${data_flag[@]}" --batch 64 --seq ${SMOL_SEQ:-4096} \
-      --budget 0.05 --min-budget 64 --cuda-graphs --compile-layers ${PROFILE_EXTRA:-} 2>&1 | grep -v -i warn | tee "$OUT/profile.log" \
-      | tail -100
+      --budget 0.05 --min-budget 64 --cuda-graphs --compile-layers ${PROFILE_EXTRA:-} 2>&1 | grep -v -i warn \
+      | tee "$OUT/profile.log" | tail -100
     ;;
   host-profile)
     timeout 240 python3 tools/profile_engine.py --model "$smol" "${data_flag[@]}" --batch 64 --seq ${SMOL_SEQ:-4096} \

@@ -9,6 +9,9 @@ the kernels and host functions that took the most time.
 
     python tools/probe_rollout.py --model SmolLM2-135M-Instruct.Q4_1.gguf --data math_train.json \\
         --s3r-config '{"cuda_graphs": true, "compile_layers": true}'
+
+`--mode ar` runs the engine's dense decoding instead, `--no-logprobs` a plain rollout, and `--host` profiles the
+last call's host Python (cProfile) instead of its kernels: where a host-bound step's time goes.
 """
 
 from __future__ import annotations
