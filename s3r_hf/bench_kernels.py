@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from s3r_hf.cuda_graphs import capture_graph
 from s3r_hf.kernels import reference
 
 SHAPE = dict(num_heads=16, num_kv_heads=8, head_dim=128)
@@ -36,6 +37,21 @@ def _time_ms(fn, repeats: int = 20) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def graph_ms(fn, repeats: int = 20) -> float:
+    """Mean time of `fn` replayed from a CUDA graph, as the engine runs it: no host launch cost is counted (an
+    eager timing of a 0.1 ms kernel measures mostly its Python launch)."""
+    graph, _ = capture_graph(fn)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
 
 
 def copy_bandwidth() -> float:

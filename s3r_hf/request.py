@@ -88,7 +88,10 @@ class Request:
         end = self.length + len(tokens)
         if end > len(self._token_array):  # a slice write would broadcast one token into an empty slice silently
             raise IndexError(f"token buffer of {len(self._token_array)} entries cannot hold {end}")
-        self._token_array[self.length : end] = tokens
+        if len(tokens) == 1:  # a dense step's token: an item write costs less than a slice write
+            self._token_array[self.length] = tokens[0]
+        else:
+            self._token_array[self.length : end] = tokens
         self.length = end
         self.generated.extend(tokens)
 

@@ -84,29 +84,24 @@ class S3RStats:
         An entry with `num_drafted == 0` is a dense step of that request (one token from one dense position); it
         counts in `rounds`, `committed` and τ, and in `dense_steps` instead of `num_drafts`.
         """
-        if num_drafted and not any(num_drafted):  # a dense step (every step of dense decoding): the short way
-            rows = self._rows_entry(len(num_drafted))
+        count, committed = len(num_drafted), sum(num_committed)
+        self.request_rounds += count
+        self.accepted += sum(num_accepted)
+        self.committed += committed
+        if count:
+            rows = self._rows_entry(count)
             rows["steps"] += 1
-            committed = sum(num_committed)
             rows["tokens"] += committed
-            self.committed += committed
-            self.request_rounds += len(num_drafted)
-            self.dense_steps += len(num_drafted)
-            self.draft_length_counts[0] = self.draft_length_counts.get(0, 0) + len(num_drafted)
+        if count and not any(num_drafted):  # a dense step (every step of dense decoding): no drafts to count
+            self.dense_steps += count
+            self.draft_length_counts[0] = self.draft_length_counts.get(0, 0) + count
             return
         lengths = Counter(num_drafted)
-        self.request_rounds += len(num_drafted)
         self.dense_steps += lengths[0]
-        self.num_drafts += len(num_drafted) - lengths[0]
-        for length, count in lengths.items():
-            self.draft_length_counts[length] = self.draft_length_counts.get(length, 0) + count
+        self.num_drafts += count - lengths[0]
+        for length, times in lengths.items():
+            self.draft_length_counts[length] = self.draft_length_counts.get(length, 0) + times
         self.drafted += sum(num_drafted)
-        if num_drafted:
-            rows = self._rows_entry(len(num_drafted))
-            rows["steps"] += 1
-            rows["tokens"] += sum(num_committed)
-        self.accepted += sum(num_accepted)
-        self.committed += sum(num_committed)
         self._grow(max(num_drafted, default=0))
         self._count_positions(self.position_drafted, num_drafted)
         # A position counts as accepted only where it was drafted.

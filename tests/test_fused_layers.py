@@ -123,10 +123,12 @@ def test_split_count_fills_the_sms_without_empty_programs(rows, columns, inner, 
     down projection (64 tiles) at 64 rows, and a verify block whose 448 tiles fill the SMs unsplit."""
     monkeypatch.setattr(layer_triton, "_sm_count", lambda device: 132)
     monkeypatch.setattr(layer_triton, "LAUNCH_OVERRIDE", (64, 3, 4))
-    *_, splits, grid, _, _ = layer_triton._tiles(DEVICE, rows, columns, inner, torch.bfloat16)
+    tiles = layer_triton._tiles(DEVICE, rows, columns, inner, torch.bfloat16)
+    splits, grid = tiles.splits, tiles.grid
     assert splits == expected and grid[2] == splits
     assert grid[0] * grid[1] * splits <= 132 or splits == 1
     k_blocks = -(-inner // 64)
+    assert tiles.blocks_per_split == -(-k_blocks // splits)
     assert -(-k_blocks // splits) * (splits - 1) < k_blocks  # the last split has K blocks too
 
 

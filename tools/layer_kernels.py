@@ -23,8 +23,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from s3r_hf.bench_kernels import copy_bandwidth
-from s3r_hf.cuda_graphs import capture_graph
+from s3r_hf.bench_kernels import copy_bandwidth, graph_ms
 from s3r_hf.kernels import layer_reference, layer_triton
 
 SHAPES = {  # hidden, intermediate, query heads, KV heads, head dim, Qwen3's per-head norm
@@ -35,19 +34,6 @@ SWEEP = [  # layer_triton's LAUNCH_OVERRIDE (K block, stages, warps) and MAX_SPL
     dict(LAUNCH_OVERRIDE=launch, MAX_SPLITS=splits)
     for launch, splits in itertools.product(((64, 3, 4), (64, 3, 8), (128, 3, 4), (128, 3, 8), (128, 2, 8)), (1, 8))
 ]
-
-
-def _graph_ms(fn, repeats: int = 50) -> float:
-    graph, _ = capture_graph(fn)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def _weights(shape: dict, dtype: torch.dtype, generator: torch.Generator) -> dict:
@@ -80,10 +66,10 @@ def _fused_chain(ops, w: dict, shape: dict, x, attended, cos, sin):
 def _torch_chain(w: dict, shape: dict, x, attended, cos, sin):
     """The layer's ops as transformers' Llama/Qwen3 modules run them (attention left out)."""
 
-    def norm(h, weight, eps=1e-6):
-        return weight * (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    def norm(h, weight):
+        return layer_reference.rms_norm(h, weight, 1e-6)  # `LlamaRMSNorm`'s arithmetic
 
-    def rotate(h):
+    def rotate(h):  # in the model dtype, as transformers' `apply_rotary_pos_emb` (the reference rotates in float32)
         half = h.shape[-1] // 2
         return h * cos[:, None] + torch.cat([-h[..., half:], h[..., :half]], -1) * sin[:, None]
 
@@ -98,6 +84,10 @@ def _torch_chain(w: dict, shape: dict, x, attended, cos, sin):
     normed = norm(mixed, w["post_norm"])
     gate, up = F.linear(normed, w["gate_up"]).chunk(2, dim=-1)
     return qkv, mixed + F.linear(F.silu(gate) * up, w["down"])
+
+
+def _ms(fn) -> float:
+    return graph_ms(fn, repeats=50)  # a layer's kernels take tens of microseconds: more replays than the default
 
 
 def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch.dtype) -> dict:
@@ -116,21 +106,21 @@ def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch
     reference = _fused_chain(layer_reference, *args)
     fused = _fused_chain(layer_triton, *args)
     row["max_abs_error"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(fused, reference))
-    row["torch_ms"] = _graph_ms(lambda: _torch_chain(*args))
+    row["torch_ms"] = _ms(lambda: _torch_chain(*args))
     compiled = torch.compile(_torch_chain, dynamic=False)
     compiled(*args)
-    row["compiled_ms"] = _graph_ms(lambda: compiled(*args))
-    row["fused_ms"] = _graph_ms(lambda: _fused_chain(layer_triton, *args))
+    row["compiled_ms"] = _ms(lambda: compiled(*args))
+    row["fused_ms"] = _ms(lambda: _fused_chain(layer_triton, *args))
     mixed = layer_triton.linear_residual(attended, w["o"], None, x)
     activated = layer_triton.norm_gate_up_silu(mixed, w["post_norm"], 1e-6, w["gate"], w["up"])
     row["kernels_ms"] = {
-        "norm_qkv_rope": _graph_ms(lambda: layer_triton.norm_qkv_rope(
+        "norm_qkv_rope": _ms(lambda: layer_triton.norm_qkv_rope(
             x, w["input_norm"], 1e-6, w["q"], w["k"], w["v"], None, None, None, cos, sin, shape["head_dim"],
             w["q_norm"], w["k_norm"], 1e-6)),
-        "o_residual": _graph_ms(lambda: layer_triton.linear_residual(attended, w["o"], None, x)),
-        "norm_gate_up_silu": _graph_ms(lambda: layer_triton.norm_gate_up_silu(
+        "o_residual": _ms(lambda: layer_triton.linear_residual(attended, w["o"], None, x)),
+        "norm_gate_up_silu": _ms(lambda: layer_triton.norm_gate_up_silu(
             mixed, w["post_norm"], 1e-6, w["gate"], w["up"])),
-        "down_residual": _graph_ms(lambda: layer_triton.linear_residual(activated, w["down"], None, mixed)),
+        "down_residual": _ms(lambda: layer_triton.linear_residual(activated, w["down"], None, mixed)),
     }
     if sweep:
         row["sweep"] = []
@@ -141,7 +131,7 @@ def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch
             try:
                 outputs = _fused_chain(layer_triton, *args)
                 error = max((a.float() - b.float()).abs().max().item() for a, b in zip(outputs, reference))
-                ms = _graph_ms(lambda: _fused_chain(layer_triton, *args))
+                ms = _ms(lambda: _fused_chain(layer_triton, *args))
                 row["sweep"].append({**setting, "ms": ms, "max_abs_error": error})
             except Exception as error:  # a setting that does not fit the shared memory
                 row["sweep"].append({**setting, "error": str(error).splitlines()[0][:120]})

@@ -25,8 +25,7 @@ import math
 
 import torch
 
-from s3r_hf.bench_kernels import _paged_setup, copy_bandwidth
-from s3r_hf.cuda_graphs import capture_graph
+from s3r_hf.bench_kernels import _paged_setup, copy_bandwidth, graph_ms
 from s3r_hf.kernels import reference, triton_backend
 
 SHAPES = {
@@ -46,21 +45,6 @@ LAUNCHES = [
     {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
 ]
 BLOCK = 7  # verify queries per request (draft_len 6 + 1)
-
-
-def _graph_ms(fn, repeats: int = 20) -> float:
-    """Mean time of `fn` replayed from a CUDA graph, as the engine runs it: no host launch cost is counted (an
-    eager timing of a 0.1 ms kernel measures mostly its Python launch)."""
-    graph, _ = capture_graph(fn)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def tune_point(
@@ -131,7 +115,7 @@ def tune_point(
                     baseline = output.float()
                 diff = float((output.float() - baseline).abs().max())
                 ref_diff = float((output.float() - expected).abs().max())
-                ms = _graph_ms(lambda run=run, splits=splits: run(splits))
+                ms = graph_ms(lambda run=run, splits=splits: run(splits))
             finally:
                 triton_backend.launch_settings, triton_backend._dot_precision = chosen, chosen_precision
             rows.append({**launch, "splits": splits, "precision": precision or chosen_precision(dtype), "ms": ms,

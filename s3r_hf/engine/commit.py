@@ -70,10 +70,7 @@ class Committer:
             if not eos_token_ids.isdisjoint(block):
                 first_eos = next(offset for offset, token in enumerate(block) if token in eos_token_ids)
                 block = block[: first_eos + 1]  # the EOS token itself is committed
-        if len(block) == 1:  # a dense step's token: an item write, cheaper than a slice write
-            request.append(block[0])
-        else:
-            request.extend(block)
+        request.extend(block)
         request.pending = block[-1]
         if logprobs is not None:
             request.logprobs.extend(logprobs[: len(block)])

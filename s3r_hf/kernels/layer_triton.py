@@ -20,6 +20,8 @@ and under `TRITON_INTERPRET=1`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -64,14 +66,16 @@ def _sm_count(device: torch.device) -> int:
     return _sm_counts[device]
 
 
-def _splits(device: torch.device, programs: int, k_blocks: int) -> int:
-    """Over how many programs each output tile's K range is split: doubled while the grid still fits the GPU's SMs
-    once and each split keeps a K block, then lowered where equal shares of the blocks fill fewer. The point is the
-    latency of each program's K loop, a chain of dependent loads, at decode row counts (see the module's docstring)."""
+def _splits(device: torch.device, programs: int, k_blocks: int) -> tuple[int, int]:
+    """`(splits, K blocks per split)`: over how many programs each output tile's K range is split, doubled while the
+    grid still fits the GPU's SMs once and each split keeps a K block, then lowered where equal shares of the
+    blocks fill fewer. The point is the latency of each program's K loop, a chain of dependent loads, at decode row
+    counts (see the module's docstring)."""
     splits = 1
     while splits * 2 <= min(MAX_SPLITS, k_blocks) and programs * splits * 2 <= _sm_count(device):
         splits *= 2
-    return triton.cdiv(k_blocks, triton.cdiv(k_blocks, splits))  # as many as the K blocks fill: none left empty
+    share = triton.cdiv(k_blocks, splits)
+    return triton.cdiv(k_blocks, share), share  # as many splits as the shares fill: none left empty
 
 
 def _split_buffers(device: torch.device, splits: int, tiles: int, tile_elements: int):
@@ -90,8 +94,17 @@ def _split_buffers(device: torch.device, splits: int, tiles: int, tile_elements:
 
 
 @triton.jit
-def _store_partial(acc, partials_ptr, slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _output_tile():
+    """`(tiles, tile)`: the launch's output tiles (row blocks x column blocks) and this program's."""
+    return tl.num_programs(0) * tl.num_programs(1), tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+
+
+@triton.jit
+def _store_partial(acc, partials_ptr, tile, index, TILES, NUM_ACC: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """This program's (its split's) partial sums of accumulator `index` of `tile`, where `_sum_partials` reads."""
     offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    slot = (tl.program_id(2) * TILES + tile) * NUM_ACC + index
     tl.store(partials_ptr + slot * (BLOCK_M * BLOCK_N) + offsets, acc)
 
 
@@ -209,11 +222,9 @@ def _norm_qkv_rope_kernel(
     if SPLITS == 1:
         _qkv_epilogue(low, high, *epilogue_args)
     else:
-        tiles = tl.num_programs(0) * tl.num_programs(1)
-        tile = tl.program_id(0) * tl.num_programs(1) + head
-        slot = (tl.program_id(2) * tiles + tile) * 2
-        _store_partial(low, partials_ptr, slot, BLOCK_M, HALF)
-        _store_partial(high, partials_ptr, slot + 1, BLOCK_M, HALF)
+        tiles, tile = _output_tile()
+        _store_partial(low, partials_ptr, tile, 0, tiles, 2, BLOCK_M, HALF)
+        _store_partial(high, partials_ptr, tile, 1, tiles, 2, BLOCK_M, HALF)
         if _arrive_last(counts_ptr, tile, SPLITS):
             low = _sum_partials(partials_ptr, tile, 0, tiles, 2, SPLITS, BLOCK_M, HALF)
             high = _sum_partials(partials_ptr, tile, 1, tiles, 2, SPLITS, BLOCK_M, HALF)
@@ -251,14 +262,13 @@ def norm_qkv_rope(
     block_m = _block_m(rows)
     block_k, stages, warps = _launch(rows, x.dtype)
     grid = (triton.cdiv(rows, block_m), num_heads + 2 * num_kv_heads)
-    k_blocks = triton.cdiv(hidden, block_k)
-    splits = _splits(x.device, grid[0] * grid[1], k_blocks)
+    splits, blocks_per_split = _splits(x.device, grid[0] * grid[1], triton.cdiv(hidden, block_k))
     partials, counts = _split_buffers(x.device, splits, grid[0] * grid[1], 2 * block_m * (head_dim // 2))
     _norm_qkv_rope_kernel[(*grid, splits)](
         x, norm_weight, q_weight.contiguous(), k_weight.contiguous(), v_weight.contiguous(),
         q_bias if has_bias else placeholder, k_bias if has_bias else placeholder, v_bias if has_bias else placeholder,
         cos, sin, q_norm_weight if head_norm else placeholder, k_norm_weight if head_norm else placeholder, out,
-        partials, counts, rows, hidden, triton.cdiv(k_blocks, splits), x.stride(0), cos.stride(0),
+        partials, counts, rows, hidden, blocks_per_split, x.stride(0), cos.stride(0),
         out.stride(0), out.stride(1), eps, head_norm_eps,
         HQ=num_heads, HKV=num_kv_heads, HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_K=block_k, SPLITS=splits,
         HAS_BIAS=has_bias, HEAD_NORM=head_norm, PRECISION=_dot_precision(x.dtype), num_warps=warps,
@@ -292,11 +302,9 @@ def _norm_gate_up_silu_kernel(
     if SPLITS == 1:
         tl.store(out, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tiles = tl.num_programs(0) * tl.num_programs(1)
-        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        slot = (tl.program_id(2) * tiles + tile) * 2
-        _store_partial(gate, partials_ptr, slot, BLOCK_M, BLOCK_N)
-        _store_partial(up, partials_ptr, slot + 1, BLOCK_M, BLOCK_N)
+        tiles, tile = _output_tile()
+        _store_partial(gate, partials_ptr, tile, 0, tiles, 2, BLOCK_M, BLOCK_N)
+        _store_partial(up, partials_ptr, tile, 1, tiles, 2, BLOCK_M, BLOCK_N)
         if _arrive_last(counts_ptr, tile, SPLITS):
             gate = _sum_partials(partials_ptr, tile, 0, tiles, 2, SPLITS, BLOCK_M, BLOCK_N)
             up = _sum_partials(partials_ptr, tile, 1, tiles, 2, SPLITS, BLOCK_M, BLOCK_N)
@@ -304,17 +312,28 @@ def _norm_gate_up_silu_kernel(
             tl.store(out, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _tiles(device: torch.device, rows: int, columns: int, inner: int, dtype: torch.dtype):
-    """`(BLOCK_M, BLOCK_N, BLOCK_K, splits, grid, stages, warps)` of a GEMM over `[rows, columns]` outputs and an
-    `inner`-long reduction: 64 columns per program, or 32 where 64 would leave most of the GPU's SMs without a
-    program; then the K range split (`_splits`) until the programs fill the SMs."""
+class _Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    splits: int
+    blocks_per_split: int
+    grid: tuple[int, int, int]
+    stages: int
+    warps: int
+
+
+def _tiles(device: torch.device, rows: int, columns: int, inner: int, dtype: torch.dtype) -> _Tiles:
+    """The launch of a GEMM over `[rows, columns]` outputs and an `inner`-long reduction: 64 columns per program,
+    or 32 where 64 would leave most of the GPU's SMs without a program; then the K range split (`_splits`) until
+    the programs fill the SMs."""
     block_m = _block_m(rows)
     block_k, stages, warps = _launch(rows, dtype)
     row_blocks = triton.cdiv(rows, block_m)
     block_n = 64 if row_blocks * triton.cdiv(columns, 64) >= _sm_count(device) else 32
     grid = (row_blocks, triton.cdiv(columns, block_n))
-    splits = _splits(device, grid[0] * grid[1], triton.cdiv(inner, block_k))
-    return block_m, block_n, block_k, splits, (*grid, splits), stages, warps
+    splits, blocks_per_split = _splits(device, grid[0] * grid[1], triton.cdiv(inner, block_k))
+    return _Tiles(block_m, block_n, block_k, splits, blocks_per_split, (*grid, splits), stages, warps)
 
 
 def norm_gate_up_silu(
@@ -327,13 +346,13 @@ def norm_gate_up_silu(
     if rows == 0:
         return out
     x = x.contiguous()
-    block_m, block_n, block_k, splits, grid, stages, warps = _tiles(x.device, rows, columns, hidden, x.dtype)
-    partials, counts = _split_buffers(x.device, splits, grid[0] * grid[1], 2 * block_m * block_n)
-    _norm_gate_up_silu_kernel[grid](
+    t = _tiles(x.device, rows, columns, hidden, x.dtype)
+    partials, counts = _split_buffers(x.device, t.splits, t.grid[0] * t.grid[1], 2 * t.block_m * t.block_n)
+    _norm_gate_up_silu_kernel[t.grid](
         x, norm_weight, gate_weight.contiguous(), up_weight.contiguous(), out, partials, counts, rows, hidden,
-        columns, triton.cdiv(triton.cdiv(hidden, block_k), splits), x.stride(0), out.stride(0), eps,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, PRECISION=_dot_precision(x.dtype),
-        num_warps=warps, num_stages=stages,
+        columns, t.blocks_per_split, x.stride(0), out.stride(0), eps,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLITS=t.splits, PRECISION=_dot_precision(x.dtype),
+        num_warps=t.warps, num_stages=t.stages,
     )
     return out
 
@@ -370,9 +389,8 @@ def _linear_residual_kernel(
     if SPLITS == 1:
         _residual_epilogue(acc, *epilogue_args)
     else:
-        tiles = tl.num_programs(0) * tl.num_programs(1)
-        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        _store_partial(acc, partials_ptr, tl.program_id(2) * tiles + tile, BLOCK_M, BLOCK_N)
+        tiles, tile = _output_tile()
+        _store_partial(acc, partials_ptr, tile, 0, tiles, 1, BLOCK_M, BLOCK_N)
         if _arrive_last(counts_ptr, tile, SPLITS):
             acc = _sum_partials(partials_ptr, tile, 0, tiles, 1, SPLITS, BLOCK_M, BLOCK_N)
             tl.store(counts_ptr + tile, 0)
@@ -389,13 +407,13 @@ def linear_residual(
     if rows == 0:
         return out
     x, residual = x.contiguous(), residual.contiguous()
-    block_m, block_n, block_k, splits, grid, stages, warps = _tiles(x.device, rows, columns, inner, x.dtype)
-    partials, counts = _split_buffers(x.device, splits, grid[0] * grid[1], block_m * block_n)
-    _linear_residual_kernel[grid](
+    t = _tiles(x.device, rows, columns, inner, x.dtype)
+    partials, counts = _split_buffers(x.device, t.splits, t.grid[0] * t.grid[1], t.block_m * t.block_n)
+    _linear_residual_kernel[t.grid](
         x, weight.contiguous(), bias if bias is not None else weight, residual, out, partials, counts, rows, inner,
-        columns, triton.cdiv(triton.cdiv(inner, block_k), splits), x.stride(0), residual.stride(0),
-        out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, HAS_BIAS=bias is not None,
-        PRECISION=_dot_precision(x.dtype), num_warps=warps, num_stages=stages,
+        columns, t.blocks_per_split, x.stride(0), residual.stride(0), out.stride(0),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLITS=t.splits, HAS_BIAS=bias is not None,
+        PRECISION=_dot_precision(x.dtype), num_warps=t.warps, num_stages=t.stages,
     )
     return out
 
