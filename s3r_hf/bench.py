@@ -163,6 +163,11 @@ def time_hf_generate(model, input_ids, max_new_tokens: int, device: str) -> dict
     return {"ms_per_step": decode / (max_new_tokens - 1) * 1e3, "tokens_per_s": tokens / decode}
 
 
+def refresh_interval_arg(value: str) -> int | None:
+    """`--refresh-interval`: a number of rounds, or "auto" for `S3RConfig.refresh_interval=None`."""
+    return None if value.strip() == "auto" else int(value)
+
+
 def time_engine(
     model, input_ids, max_new_tokens: int, config: S3RConfig, mode: str, acceptance, stages: bool = False
 ) -> dict:
@@ -254,7 +259,8 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
         s3r = time_engine(model, input_ids, args.max_new_tokens, config, "s3r", args.acceptance, args.stages)
         if args.acceptance is None:  # exact runs: greedy S3R must reproduce greedy AR
             s3r.update(greedy_agreement(s3r["sequences"], ar["sequences"], input_ids.shape[1]))
-        key = str(ratio) if interval == 1 else f"{ratio} r{interval}"  # r2: views refreshed every second round
+        # r2: views refreshed every second round; no suffix: the interval the config chooses (adaptive: the rule's)
+        key = str(ratio) if interval is None else f"{ratio} r{interval}"
         point["s3r"][key] = {k: v for k, v in s3r.items() if k != "sequences"}
         if args.stages:
             point["s3r"][key]["stage_floor_ms"] = stage_floors_ms(model, batch, context, config, bandwidth)
@@ -348,8 +354,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="tokens to generate (default 128; with --rollout, the --preset's)")
     parser.add_argument("--budget", default="0.05", help="comma-separated budget ratios (a sweep)")
-    parser.add_argument("--refresh-interval", default="1",
-                        help="comma-separated S3RConfig.refresh_interval values (a sweep; rows 's r2' for 2)")
+    parser.add_argument("--refresh-interval", default="auto",
+                        help="comma-separated S3RConfig.refresh_interval values, 'auto' for None (the adaptive rule's "
+                             "choice, every round without it); a sweep, rows 's r2' for 2")
     parser.add_argument("--draft-len", type=int, default=6)
     parser.add_argument("--min-budget", type=int, default=192)
     parser.add_argument("--prefill-chunk", type=int, default=8192)
@@ -402,7 +409,7 @@ def bench_from_args(args: argparse.Namespace) -> list[dict] | dict:
     if any(name not in RANDOM_SHAPES for name in args.model or [DEFAULT_MODEL]):
         args.texts, args.prompt_source = load_texts(args.data, args.dataset, args.split)
     args.budget = [float(v) for v in args.budget.split(",")]
-    args.refresh_interval = [int(v) for v in str(args.refresh_interval).split(",")]
+    args.refresh_interval = [refresh_interval_arg(v) for v in str(args.refresh_interval).split(",")]
     dtype = getattr(torch, args.dtype)
     bandwidth = copy_bandwidth() if args.device.startswith("cuda") else float("nan")
     points = []

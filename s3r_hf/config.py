@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from s3r_hf.draft_policy import MAX_ADAPTIVE_REFRESH_INTERVAL
+
 
 @dataclass
 class S3RConfig:
@@ -31,11 +33,14 @@ class S3RConfig:
             Fraction `s` of a request's committed context that each (layer, KV head) index view keeps.
         min_budget (`int`, defaults to 192):
             Lower bound `K_min` on the index-view size; a context shorter than this is drafted densely.
-        refresh_interval (`int`, defaults to 1):
+        refresh_interval (`int`, *optional*):
             Rounds between index-view refreshes. A refresh selects each view's top-K anew from the verify's attention
             scores (the paper does so every round); in the rounds between, the verify computes no scores and the
-            views only gain the newly committed tokens. Larger values save the score material and the top-K
-            selection at some cost in acceptance; the samples are exact for any value.
+            views only gain the newly committed tokens. Longer intervals save the score material and the top-K
+            selection at some cost in acceptance; the samples are exact for any value. `None` (the default): with
+            `adaptive=True` the interval, up to `MAX_ADAPTIVE_REFRESH_INTERVAL` rounds, is chosen from the round
+            costs and the acceptance by view age measured during the call; with `adaptive=False` every round
+            refreshes, as in the paper.
         page_size (`int`, defaults to 16):
             Tokens per KV page.
         num_pages (`int`, *optional*):
@@ -116,7 +121,7 @@ class S3RConfig:
     adaptive: bool = True
     budget_ratio: float = 0.05
     min_budget: int = 192
-    refresh_interval: int = 1
+    refresh_interval: int | None = None
     page_size: int = 16
     num_pages: int | None = None
     kv_memory_fraction: float = 0.8
@@ -146,7 +151,8 @@ class S3RConfig:
         _check_int(self, "draft_len", low=1, high=64)
         _check_float(self, "budget_ratio", low=0.0, high=1.0, low_open=True)
         _check_int(self, "min_budget", low=1)
-        _check_int(self, "refresh_interval", low=1)
+        if self.refresh_interval is not None:
+            _check_int(self, "refresh_interval", low=1)
         _check_int(self, "page_size", low=1, high=1024)
         if self.num_pages is not None:
             _check_int(self, "num_pages", low=1)
@@ -170,6 +176,13 @@ class S3RConfig:
             )
         if self.seed is not None:
             _check_int(self, "seed", low=0, high=2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+    @property
+    def max_refresh_interval(self) -> int:
+        """The longest interval between index-view refreshes a call may run (what the views' capacity allows for)."""
+        if self.refresh_interval is not None:
+            return self.refresh_interval
+        return MAX_ADAPTIVE_REFRESH_INTERVAL if self.adaptive else 1
 
     def budget(self, context_len: int) -> int:
         """Index-view size `K = min(|C|, max(min_budget, ceil(budget_ratio * |C|)))` for a context of `|C|`."""

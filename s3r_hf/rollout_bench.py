@@ -42,7 +42,7 @@ from rich.table import Table
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from s3r_hf.bench import RANDOM_SHAPES, build_model, random_prompts
+from s3r_hf.bench import RANDOM_SHAPES, build_model, random_prompts, refresh_interval_arg
 from s3r_hf.cache.page_allocator import KVCapacityError
 from s3r_hf.config import S3RConfig
 from s3r_hf.demo import build_batch, eos_token_ids, generated_lengths, output_sequences, timed_generate
@@ -237,7 +237,9 @@ def summarise(calls: list[dict[str, Any]]) -> dict[str, Any]:
         summary["cold_graph_captures"] = calls[0].get("graph_captures", 0)
         # Speculation over every call (acceptance does not warm up), from the summed counts.
         totals = {key: sum(c["stats"][key] for c in calls) for key in
-                  ("request_rounds", "num_drafts", "dense_steps", "drafted", "accepted", "committed", "decode_steps")}
+                  ("request_rounds", "num_drafts", "dense_steps", "drafted", "accepted", "committed", "decode_steps",
+                   "view_refreshes", "view_extensions")}
+        drafting_steps = totals["view_refreshes"] + totals["view_extensions"]
         summary.update(
             tau=totals["committed"] / totals["request_rounds"] if totals["request_rounds"] else 0.0,
             mean_acceptance_length=(1.0 + totals["accepted"] / totals["num_drafts"]) if totals["num_drafts"] else 1.0,
@@ -246,6 +248,8 @@ def summarise(calls: list[dict[str, Any]]) -> dict[str, Any]:
             mean_rows_per_step=totals["request_rounds"] / totals["decode_steps"] if totals["decode_steps"] else 0.0,
             num_drafts=totals["num_drafts"],
             dense_steps=totals["dense_steps"],
+            # Drafting steps per index-view refresh: 1 when every round refreshes (the paper).
+            rounds_per_refresh=drafting_steps / totals["view_refreshes"] if totals["view_refreshes"] else 0.0,
         )
     return summary
 
@@ -357,8 +361,8 @@ def print_point(point: dict[str, Any], console: Console) -> None:
         speed.add_column(header, justify="left" if header == "mode" else "right", no_wrap=True)
     engine = Table(title=f"{title}: engine", caption="seconds per warm call; τ: tokens per request-round, dense "
                    "steps included; MAL: vLLM's mean acceptance length, 1 + accepted / drafts; dense: share of "
-                   "request-rounds that drafted nothing")
-    for header in ("mode", "prefill", "decode", "captures (n)", "other", "τ", "MAL", "accept", "dense"):
+                   "request-rounds that drafted nothing; N: drafting steps per index-view refresh")
+    for header in ("mode", "prefill", "decode", "captures (n)", "other", "τ", "MAL", "accept", "dense", "N"):
         engine.add_column(header, justify="left" if header == "mode" else "right", no_wrap=True)
     for mode, result in point["modes"].items():
         s = result.get("summary")
@@ -380,6 +384,7 @@ def print_point(point: dict[str, Any], console: Console) -> None:
                 f"{s['warm_graph_capture_s']:.2f} ({s['warm_graph_captures']:.0f})", f"{s['warm_other_s']:.2f}",
                 f"{s['tau']:.2f}", f"{s['mean_acceptance_length']:.2f}" if drafts else "-",
                 f"{s['acceptance_rate']:.3f}" if drafts else "-", f"{s['dense_step_share']:.0%}",
+                f"{s['rounds_per_refresh']:.2f}" if s["rounds_per_refresh"] else "-",
             )
     console.print(speed)
     if engine.row_count:
@@ -510,7 +515,7 @@ def rollout_settings(args: argparse.Namespace) -> dict[str, Any]:
     try:
         config = S3RConfig(
             draft_len=args.draft_len, budget_ratio=_single(args.budget, "--budget", float), min_budget=args.min_budget,
-            refresh_interval=_single(args.refresh_interval, "--refresh-interval", int),
+            refresh_interval=_single(args.refresh_interval, "--refresh-interval", refresh_interval_arg),
             prefill_chunk_size=args.prefill_chunk, cuda_graphs=args.cuda_graphs, compile_layers=args.compile_layers,
             fused_layers=args.fused_layers,
         )

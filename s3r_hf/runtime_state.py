@@ -67,7 +67,7 @@ class ModelRuntime:
         self.forward: ModelForward | None = None
         self.graphs: DecodeGraphs | None = None
         self.fused: FusedProjections | None = None
-        self.policies: dict[int, AdaptiveDraftLength] = {}  # adaptive rules by draft_len
+        self.policies: dict[tuple[int, int | None], AdaptiveDraftLength] = {}  # by (draft_len, refresh_interval)
         self.seed_calls: dict[int, int] = {}  # calls so far per fixed seed
         self._pages_wanted = 0  # the page count the pool was sized for (before a cap by free memory)
         self._fingerprint: tuple | None = None
@@ -83,11 +83,13 @@ class ModelRuntime:
             self.drop_device_state()
         self._fingerprint = fingerprint
 
-    def policy(self, draft_len: int) -> AdaptiveDraftLength:
-        """The adaptive draft-length rule for `draft_len`, created on first use."""
-        if draft_len not in self.policies:
-            self.policies[draft_len] = adaptive_for(draft_len)
-        return self.policies[draft_len]
+    def policy(self, draft_len: int, refresh_interval: int | None = None) -> AdaptiveDraftLength:
+        """The adaptive draft-length rule for `draft_len` and `refresh_interval` (None: chosen by the rule),
+        created on first use."""
+        key = (draft_len, refresh_interval)
+        if key not in self.policies:
+            self.policies[key] = adaptive_for(draft_len, refresh_interval)
+        return self.policies[key]
 
     def call_seed(self, seed: int) -> int:
         """The generator seed of this call for a fixed `S3RConfig.seed`: different on every rank and for every
@@ -232,8 +234,9 @@ def call_seed(model: PreTrainedModel, config: S3RConfig) -> int:
 
 
 def adaptive_policy(model: torch.nn.Module, config: S3RConfig) -> AdaptiveDraftLength:
-    """The model's adaptive draft-length rule for `config.draft_len`, kept across calls."""
-    return runtime_for(model).policy(config.draft_len)
+    """The model's adaptive draft-length rule for `config.draft_len` and `config.refresh_interval`, kept across
+    calls."""
+    return runtime_for(model).policy(config.draft_len, config.refresh_interval)
 
 
 def release(model: torch.nn.Module) -> None:

@@ -73,6 +73,10 @@ class S3RStats:
     # Request-rounds by the number of tokens drafted (0: dense steps), e.g. how often an adaptive engine chose each
     # draft length (shorter near the end of a response, where fewer tokens remain).
     draft_length_counts: dict[int, int] = field(default_factory=dict)
+    # Drafting steps whose verify refreshed the index views (top-K anew from its scores), and those that only extended
+    # them with the committed tokens (`S3RConfig.refresh_interval`); refresh steps before drafting are not counted.
+    view_refreshes: int = 0
+    view_extensions: int = 0
     # Decoding by the number of requests running in a step, in powers of two (the key: at most that many rows):
     # `{"seconds", "steps", "tokens"}` each, the seconds being host wall time from one step's start to the next's
     # (a prefill step's interval is left out). Shows where a call's time goes, e.g. its tail of a few long responses.
@@ -210,6 +214,12 @@ class S3RStats:
         self.request_rounds = value
 
     @property
+    def rounds_per_refresh(self) -> float:
+        """Drafting steps per index-view refresh (1.0 when every round refreshes, as in the paper; 0.0 without
+        drafting steps)."""
+        return (self.view_refreshes + self.view_extensions) / self.view_refreshes if self.view_refreshes else 0.0
+
+    @property
     def per_position_acceptance(self) -> list[float]:
         """Probability that draft position `i` (0-based) was accepted, given that it was drafted."""
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
@@ -246,6 +256,9 @@ class S3RStats:
             "kernel_variants": self.kernel_variants,
             "stage_seconds": dict(self.stage_seconds),
             "draft_length_counts": dict(sorted(self.draft_length_counts.items())),
+            "view_refreshes": self.view_refreshes,
+            "view_extensions": self.view_extensions,
+            "rounds_per_refresh": self.rounds_per_refresh,
             "decode_by_rows": {rows: dict(entry) for rows, entry in sorted(self.decode_by_rows.items())},
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,

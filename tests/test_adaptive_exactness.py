@@ -47,21 +47,23 @@ def test_greedy_matches_dense_when_the_draft_length_varies(pattern, view_checks)
     assert out.s3r_stats.drafted > 0 and policy.rounds > len(PATTERNS[pattern])
 
 
-@pytest.mark.parametrize("refresh_interval", [1, 3])
-def test_varying_draft_lengths_under_kv_pressure_with_a_queue_and_eos(refresh_interval, view_checks):
-    """Switches between dense steps and drafting while requests finish on EOS, newcomers arrive from the queue,
-    and requests are paused and restored when the pool runs short."""
+@pytest.mark.parametrize("refreshes", [[True], [False, False, True]])
+def test_varying_draft_lengths_under_kv_pressure_with_a_queue_and_eos(refreshes, view_checks):
+    """Switches between dense steps and drafting, over views refreshed every round or extended in between, while
+    requests finish on EOS, newcomers arrive from the queue, and requests are paused and restored when the pool
+    runs short."""
     model = s3r_hf.enable(tiny_model("llama", seed=23).to(DEVICE))
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 26, 14, 5, 21, 17], seed=24))
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=40, pad_token_id=0)
     free = model.generate(input_ids, eos_token_id=None, **kwargs)[:, input_ids.shape[1]:]
     kwargs["eos_token_id"] = [int(free[0, 25]), int(free[3, 33])]
     dense = model.generate(input_ids, **kwargs)
-    config = _config(num_pages=30, concurrency_min=4, concurrency_max=4, refresh_interval=refresh_interval)
-    out = model.generate(input_ids, s3r_config=config, s3r_draft_policy=ScriptedDraftLength([0, 2, 3, 0, 0, 1]),
-                         return_dict_in_generate=True, **kwargs)
+    config = _config(num_pages=30, concurrency_min=4, concurrency_max=4)
+    policy = ScriptedDraftLength([0, 2, 3, 0, 0, 1], refreshes=refreshes)
+    out = model.generate(input_ids, s3r_config=config, s3r_draft_policy=policy, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, dense)
     assert out.s3r_stats.offload_episodes > 0, "the pool was meant to run short"
+    assert (view_checks["extend"] > 0) == (False in refreshes)
 
 
 def test_history_reading_processors_with_varying_draft_lengths():
@@ -82,12 +84,13 @@ def test_the_adaptive_policy_is_the_default_and_stays_exact():
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=60)
     dense = model.generate(input_ids, **kwargs)
     assert S3RConfig().adaptive
-    policy = AdaptiveDraftLength(3, min_probe_gap=2)
+    policy = AdaptiveDraftLength(3, min_probe_gap=2, refresh_intervals=(1, 2, 3))
     out = model.generate(input_ids, s3r_config=_config(), s3r_draft_policy=policy, return_dict_in_generate=True,
                          **kwargs)
     assert torch.equal(out.sequences, dense)
-    # It measured both sides: dense steps and full-length rounds.
+    # It measured both sides: dense steps and full-length rounds, and views refreshed every round and less often.
     assert policy.choices.get(0, 0) > 0 and policy.choices.get(3, 0) > 0
+    assert policy.interval_choices.get(1, 0) > 0 and set(policy.interval_choices) - {1}
     # Without a policy given, the engine builds the adaptive one from the config.
     again = model.generate(input_ids, s3r_config=_config(), **kwargs)
     assert torch.equal(again, dense)
@@ -115,7 +118,7 @@ class _RecordingScript(ScriptedDraftLength):
         super().__init__(draft_lens)
         self.costed: list[int] = []
 
-    def observe_cost(self, shape, draft_len, seconds):
+    def observe_cost(self, shape, draft_len, seconds, refreshes=True, follows_refresh=True):
         assert seconds > 0
         self.costed.append(draft_len)
 

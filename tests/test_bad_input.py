@@ -20,6 +20,7 @@ from tests.conftest import TINY, left_padded_batch, tiny_model
         ("budget_ratio", 1.5, "budget_ratio"),
         ("min_budget", -1, "min_budget must be an integer >= 1"),
         ("refresh_interval", 0, "refresh_interval must be an integer >= 1"),
+        ("refresh_interval", "2", "refresh_interval must be an integer >= 1"),
         ("page_size", 0, "page_size"),
         ("num_pages", 0, "num_pages"),
         ("kv_memory_fraction", 0.0, r"kv_memory_fraction must be a number in \(0.0, 1.0\]"),

@@ -20,7 +20,7 @@ def test_bench_runs_and_greedy_s3r_matches_ar(tmp_path, capsys):
     result = json.loads(json_path.read_text())
     assert [(p["batch"], p["seq"]) for p in result["points"]] == [(3, 40), (3, 64)]
     for point in result["points"]:
-        assert set(point["s3r"]) == {"0.1", "0.1 r2", "0.5", "0.5 r2"}
+        assert set(point["s3r"]) == {"0.1 r1", "0.1 r2", "0.5 r1", "0.5 r2"}
         for run in point["s3r"].values():
             assert run["greedy_matches_ar"] is True
             assert set(run["stage_ms_per_step"]) == {"draft", "verify", "accept", "refresh", "commit"}

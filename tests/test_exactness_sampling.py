@@ -186,13 +186,13 @@ def test_s3r_samples_follow_exact_dense_distribution(setup, case, graphs, refres
 @pytest.mark.parametrize("graphs", GRAPHS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_s3r_samples_stay_exact_when_the_draft_length_varies(setup, case, graphs):
-    """Adaptive speculation's claim: any draft length chosen before a round from what earlier rounds did keeps the
-    samples exact. The policy switches between dense steps (which leave the views stale), refresh steps, and
-    rounds of one and two drafts, so samples mix all of them."""
+    """Adaptive speculation's claim: any draft length and refresh chosen before a round from what earlier rounds did
+    keep the samples exact. The policy switches between dense steps (which leave the views stale), refresh steps,
+    and rounds of one and two drafts that refresh the views or only extend them, so samples mix all of them."""
     model, sampler, prompt = setup
     sampling = CASES[case]
     probs, _ = exact_continuation_distribution(model, prompt, NEW_TOKENS, sampling_warpers(**sampling))
-    policy = ScriptedDraftLength([0, 2, 1, 0, 0, 2])
+    policy = ScriptedDraftLength([0, 2, 1, 0, 0, 2], refreshes=[False, True, False, False, True])
     sequences, drafted, accepted, *_ = _sample(sampler, prompt, sampling, S3R_SAMPLES, seed=7, graphs=graphs,
                                                policy=policy)
     results, counts = _tests(sequences, probs)

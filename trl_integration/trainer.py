@@ -130,6 +130,7 @@ class S3RGRPOTrainer(GRPOTrainer):
         metrics["s3r/tau"].append(stats.tau)
         metrics["s3r/num_drafts"].append(float(stats.num_drafts))
         metrics["s3r/dense_steps"].append(float(stats.dense_steps))
+        metrics["s3r/rounds_per_refresh"].append(stats.rounds_per_refresh)
         metrics["s3r/num_draft_tokens"].append(float(stats.num_draft_tokens))
         metrics["s3r/num_accepted_tokens"].append(float(stats.num_accepted_tokens))
         for position, count in enumerate(stats.num_accepted_tokens_per_pos):

@@ -121,12 +121,14 @@ class S3REngine:
     @staticmethod
     def default_policy(config: S3RConfig, mode: str) -> DraftLengthPolicy:
         """The draft-length rule of `mode`: dense decoding never drafts, the unverified drafter always drafts
-        `draft_len` (it commits drafts only), exact S3R adapts unless `config.adaptive` is off."""
+        `draft_len` (it commits drafts only), exact S3R adapts unless `config.adaptive` is off. The views are
+        refreshed every `config.refresh_interval` rounds; when that is None, at the interval the adaptive rule
+        chooses, or every round without it."""
         if mode == "ar":
             return FixedDraftLength(0)
         if mode == "s3r" and config.adaptive:
-            return adaptive_for(config.draft_len)
-        return FixedDraftLength(config.draft_len)
+            return adaptive_for(config.draft_len, config.refresh_interval)
+        return FixedDraftLength(config.draft_len, config.refresh_interval or 1)
 
     def run(self, requests: list[Request]) -> S3RStats:
         """Generate until every request finishes; requests are filled in place."""

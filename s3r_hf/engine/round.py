@@ -59,7 +59,7 @@ class SpeculativeRound:
         # Dense steps (k = 0) neither score nor extend the index views; a round that drafts after them first runs
         # one scored dense step to rebuild the views (a refresh step).
         self.views_stale = False
-        self.rounds_since_refresh = 0  # rounds whose views were only extended (`S3RConfig.refresh_interval`)
+        self.rounds_since_refresh = 0  # rounds whose views were only extended (the policy's `refresh_due`)
 
     def choose_draft_len(self, requests: list[Request]) -> int:
         """This round's draft length: the one chosen while the previous round ran (its drafts may already be on the
@@ -86,9 +86,10 @@ class SpeculativeRound:
         if refresh_step:
             self.next_k, k = k, 0
         self.round_k = k
-        started = self.timer.round_started(requests, k, refresh_step)
         # The views are refreshed from this verify's scores, extended by its committed tokens, or left as they are.
-        refresh = refresh_step or (k > 0 and self.rounds_since_refresh + 1 >= self.config.refresh_interval)
+        age = self.rounds_since_refresh  # rounds since the views this round drafts from were refreshed
+        refresh = refresh_step or (k > 0 and self.policy.refresh_due(round_shape(requests), k, age))
+        started = self.timer.round_started(requests, k, refresh_step, refresh)
 
         # Draft: taken from the early launch when it covers the round, else drafted now.
         draft_counts = [self.draft_count(r) for r in requests]
@@ -121,7 +122,7 @@ class SpeculativeRound:
         started = self.timer.stage_done("refresh", started)
 
         # The host reads the decision, rolls the cache back to the accepted prefix and commits.
-        self._commit(requests, read_decision().tolist(), draft_counts, max_drafts, k, refresh, logprobs, verified)
+        self._commit(requests, read_decision().tolist(), draft_counts, max_drafts, k, refresh, age, logprobs, verified)
         self.timer.stage_done("commit", started)
         return verified
 
@@ -167,6 +168,9 @@ class SpeculativeRound:
             width = plan.dense.num_candidates
         else:
             width = self.views.extend(requests, committed, contexts, max_drafts + 1)
+        if k > 0:
+            self.stats.view_refreshes += refresh
+            self.stats.view_extensions += not refresh
         self.rounds_since_refresh = 0 if refresh else self.rounds_since_refresh + 1
         self.views_stale = False
         return contexts, remaining, width
@@ -196,7 +200,9 @@ class SpeculativeRound:
         elif not drafts_next and k == 0 and self.runner.sampling.logits_processor.history_free:
             self.early.launch_dense_step(requests, next_tokens, draft_tokens, scored=self.next_k > 0)
 
-    def _commit(self, requests, decision, draft_counts, max_drafts: int, k: int, refresh: bool, logprobs, verified):
+    def _commit(
+        self, requests, decision, draft_counts, max_drafts: int, k: int, refresh: bool, age: int, logprobs, verified
+    ):
         accepted = [row[0] for row in decision]
         self.early.set_draft_counts(requests, accepted, self.next_k)  # the counts the device computed
         for request, count in zip(requests, accepted):
@@ -208,7 +214,7 @@ class SpeculativeRound:
             elif k > 0:
                 request.view_len += count + 1
         if max_drafts > 0 and self.learns_acceptance:
-            self.policy.observe_acceptance(draft_counts, accepted)
+            self.policy.observe_acceptance(draft_counts, accepted, age)
         logprobs = logprobs.tolist() if logprobs is not None else None
         proposals = [row[2:][: row[0]] + [row[1]] for row in decision]
         committed = self.committer.commit_round(

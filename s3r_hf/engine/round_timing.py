@@ -28,9 +28,11 @@ class RoundTimer:
         self.device = device
         self.stats = stats
         self.capture_seconds = capture_seconds
-        # (shape, k, start, capture seconds, whether the round before had the same k)
-        self._timed_round: tuple[RoundShape, int, float, float, bool] | None = None
+        # (shape, k, start, capture seconds, whether the round before had the same k, whether it refreshes the
+        # views, whether the round before did)
+        self._timed_round: tuple[RoundShape, int, float, float, bool, bool, bool] | None = None
         self._previous_k: int | None = None  # the draft length of the previous round (a refresh step counts as 0)
+        self._previous_refreshed = False
         self._captured_before_stage = 0.0  # capture seconds already counted when the current stage began
         self._step_began: tuple[int, float] | None = None  # (rows, start) of the step running now
 
@@ -57,22 +59,25 @@ class RoundTimer:
     def cost_previous_round(self, policy: DraftLengthPolicy) -> None:
         """Report the time since the previous round began as its cost. Neither an interval with a CUDA-graph capture
         in it nor the first round after a switch of `k` (it ran launches the round before would have overlapped) is
-        what a run of such rounds costs, so those are dropped."""
+        what a run of such rounds costs, so those are dropped. The cost goes with whether the round refreshed the
+        views and whether the round before it did (its view update ran in this interval)."""
         now = time.perf_counter()
         if self._timed_round is not None:
-            shape, k, started, captured, steady = self._timed_round
+            shape, k, started, captured, steady, refreshes, follows_refresh = self._timed_round
             if steady and captured == self.capture_seconds():
-                policy.observe_cost(shape, k, now - started)
+                policy.observe_cost(shape, k, now - started, refreshes, follows_refresh)
         self._timed_round = None
 
-    def round_started(self, requests: list[Request], k: int, refresh_step: bool) -> float:
-        """A round of draft length `k` begins (a refresh step is costed as no round); returns the start of its first
-        stage."""
+    def round_started(self, requests: list[Request], k: int, refresh_step: bool, refreshes: bool) -> float:
+        """A round of draft length `k` begins (a refresh step is costed as no round), refreshing the index views or
+        not; returns the start of its first stage."""
         steady = self._previous_k == k
-        self._previous_k = k
+        follows_refresh, self._previous_k, self._previous_refreshed = self._previous_refreshed, k, refreshes
         now = self.step_ended()
         self._step_began = (len(requests), now)
-        self._timed_round = None if refresh_step else (round_shape(requests), k, now, self.capture_seconds(), steady)
+        self._timed_round = None if refresh_step else (
+            round_shape(requests), k, now, self.capture_seconds(), steady, refreshes, follows_refresh
+        )
         if not self.stages:
             return 0.0
         self._captured_before_stage = self.capture_seconds()
@@ -93,6 +98,7 @@ class RoundTimer:
         no round."""
         self._timed_round = None
         self._previous_k = None
+        self._previous_refreshed = False
         self._step_began = None
 
     # ---------------------------------------------------------------- stages

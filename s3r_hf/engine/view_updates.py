@@ -1,5 +1,5 @@
 """`IndexViewUpdates`: the index views `R ∪ TopK` rebuilt from a dense forward's scores, or extended by a round's
-committed positions between refreshes (`S3RConfig.refresh_interval`)."""
+committed positions between refreshes (`S3RConfig.refresh_interval`, the draft-length policy's `refresh_due`)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class IndexViewUpdates:
 
     def extension_slack(self) -> int:
         """How far views may outgrow their budget: each round between refreshes adds up to `draft_len + 1`."""
-        return (self.config.refresh_interval - 1) * (self.config.draft_len + 1)
+        return (self.config.max_refresh_interval - 1) * (self.config.draft_len + 1)
 
     def extend(self, requests: list[Request], committed: torch.Tensor, contexts: torch.Tensor, max_new: int) -> int:
         """Queue the append of the round's committed positions `[committed, contexts)` (device tensors) to the
