@@ -8,6 +8,8 @@ or in the gaps between kernels (inside a CUDA graph too).
 python tools/profile_engine.py --model qwen3-1.7b --batch 16 --seq 4096 --acceptance 0.8
 python tools/profile_engine.py --model SmolLM2-135M-Instruct.Q4_1.gguf --data math_train.json --batch 64 \\
     --seq 4096 --budget 0.05 --min-budget 64 --cuda-graphs --compile-layers
+
+`--prefill` profiles the prompts' prefill instead: S3R calls that generate one token, every kernel of the call.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from s3r_hf.config import S3RConfig
 from s3r_hf.generate import enable
 
 
-def kernel_totals(prof) -> dict[str, list[float]]:
+def kernel_totals(prof, decode_only: bool = True) -> dict[str, list[float]]:
     """Launches and device µs per CUDA kernel name (kernels replayed inside CUDA graphs included) from the first
-    decode round on: prefill kernels are left out even where the profiler keeps only some of a long prefill's."""
+    decode round on (`decode_only`: prefill kernels are left out even where the profiler keeps only some of a long
+    prefill's), or of the whole call."""
     events = prof.events()
     rounds = [event.time_range.start for event in events if event.name == "s3r_hf.decode_round"]
-    decode_start = min(rounds, default=float("inf"))
+    decode_start = min(rounds, default=float("inf")) if decode_only else float("-inf")
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for event in events:
         # The marker itself also shows on the device timeline, as an annotation spanning the round.
@@ -75,6 +78,7 @@ def main() -> None:
     parser.add_argument("--compile-layers", action="store_true")
     parser.add_argument("--fused-layers", action="store_true")
     parser.add_argument("--python", action="store_true", help="profile host Python (cProfile) instead of kernels")
+    parser.add_argument("--prefill", action="store_true", help="profile the prefill (S3R calls of one new token)")
     args = parser.parse_args()
     model, tokenizer = build_model(args.model, torch.bfloat16, "cuda")
     enable(model)
@@ -86,6 +90,9 @@ def main() -> None:
                        fused_layers=args.fused_layers, budget_ratio=args.budget, min_budget=args.min_budget)
     common = dict(attention_mask=torch.ones_like(input_ids), do_sample=False, pad_token_id=0, eos_token_id=None,
                   s3r_config=config, s3r_timing=True)
+    if args.prefill:
+        profile_prefill(model, input_ids, common, args.rows)
+        return
     per_token = {}  # mode -> (wall µs, kernel µs) per committed token
     for mode, acceptance in (("ar", None), ("s3r", args.acceptance)):
         # Warm-up: compilation and graph captures of this shape happen here, not in the profiled call.
@@ -134,6 +141,20 @@ def main() -> None:
         print(f"\nper committed token: AR {ar_wall:.1f} us wall, {ar_kernels:.1f} us of kernels; S3R {s3r_wall:.1f} us "
               f"wall, {s3r_kernels:.1f} us of kernels; S3R / AR speed {ar_wall / s3r_wall:.2f}x by wall time, "
               f"{ar_kernels / s3r_kernels:.2f}x by kernel time")
+
+
+def profile_prefill(model, input_ids: torch.Tensor, common: dict, rows: int) -> None:
+    """The kernels of an S3R call that generates one token (its prefill, the index views' first build and one
+    sample), after a warm-up call, next to the same call's unprofiled prefill seconds."""
+    kwargs = dict(max_new_tokens=1, s3r_mode="s3r", **common)
+    model.generate(input_ids, **kwargs)  # compiles and builds kernel variants for these shapes
+    stats = model.generate(input_ids, **kwargs).s3r_stats
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model.generate(input_ids, **kwargs)
+    table, kernel_ms = kernel_table(kernel_totals(prof, decode_only=False), {}, 1, rows)
+    print(f"\n===== prefill of {input_ids.shape[0]} x {input_ids.shape[1]} tokens: {stats.prefill_seconds:.3f} s "
+          f"unprofiled, {kernel_ms / 1e3:.3f} s of kernels in the profiled call")
+    print(table)
 
 
 if __name__ == "__main__":
