@@ -169,6 +169,29 @@ def launch_settings(head_dim: int, stores_logits: bool = False, element_size: in
     return {"BLOCK_N": _key_tile(head_dim, element_size), "num_warps": 4, "num_stages": stages}
 
 
+PREFILL_QUERIES = 256
+"""Segments at least this long (prefill chunks) are tiled for arithmetic throughput: many queries share each K/V
+tile, where a decode step or a verify block has a handful and streams its keys."""
+
+PREFILL_TILING = {"ROWS": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+"""(query, GQA head) rows per program and the launch settings of prefill-length segments."""
+
+
+def query_tiling(
+    max_len: int, group: int, head_dim: int, stores_logits: bool, element_size: int
+) -> tuple[int, int, dict]:
+    """`(queries per program, (query, head) rows per program, launch settings)` of the dense kernel for segments of
+    at most `max_len` queries: up to 64 rows (a whole decode step or verify block of a KV head in one program),
+    `PREFILL_TILING` from `PREFILL_QUERIES` queries on."""
+    if max_len >= PREFILL_QUERIES:
+        block_m = max(1, PREFILL_TILING["ROWS"] // group)
+        settings = {key: PREFILL_TILING[key] for key in ("BLOCK_N", "num_warps", "num_stages")}
+    else:
+        block_m = max(1, min(triton.next_power_of_2(max_len), 64 // group if group < 64 else 1))
+        settings = launch_settings(head_dim, stores_logits=stores_logits, element_size=element_size)
+    return block_m, max(16, triton.next_power_of_2(block_m * group)), settings
+
+
 def _key_tile(head_dim: int, element_size: int = 2) -> int:
     """Keys per K tile: 16 KiB (in bf16 128 keys of a 64-wide head, 64 of a 128-wide one), 16 to 128 keys."""
     return min(128, max(16, 16384 // (element_size * triton.next_power_of_2(head_dim))))
@@ -334,9 +357,6 @@ def paged_dense_attention(
         contexts = torch.where(lengths > 0, positions.long()[last] + 1, torch.zeros_like(lengths))
         max_query_len, max_context = (int(v) for v in torch.stack([lengths.max(), contexts.max()]).tolist())
     max_len = max_query_len
-
-    block_m = max(1, min(triton.next_power_of_2(max_len), 64 // group if group < 64 else 1))
-    rows = max(16, triton.next_power_of_2(block_m * group))
     # The kernels read the scored rows straight from `score_starts` (-1 = unscored): no torch ops per layer here,
     # each of which would be a launch-bound kernel of its own in a CUDA graph.
     logits = None
@@ -349,12 +369,12 @@ def paged_dense_attention(
         if stores_logits(max_scored_rows, head_dim, key_pool.element_size()):
             logits = _score_scratch((num_segments, num_kv_heads, max_scored_rows, _padded(max_context)), query.device)
     scratch = logits if logits is not None else positions  # any valid pointer when no logits are stored
+    block_m, rows, settings = query_tiling(max_len, group, head_dim, logits is not None, query.element_size())
     num_q_blocks = triton.cdiv(max_len, block_m)
     target = _TARGET_PROGRAMS if logits is None else _TARGET_PROGRAMS_STORING_LOGITS
     splits = num_splits or _num_splits(
         num_segments * num_kv_heads * num_q_blocks, max_context, min_keys=_MIN_KEYS_PER_SPLIT, target=target
     )
-    settings = launch_settings(head_dim, stores_logits=logits is not None, element_size=query.element_size())
     # Whole tiles per split: `keys_per_split` is an unspecialized argument (it changes with the context), so the
     # kernel learns the alignment of each split's first key from this rounding (`tl.multiple_of`).
     tile = settings["BLOCK_N"]
