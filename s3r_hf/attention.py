@@ -12,6 +12,8 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -20,7 +22,7 @@ from s3r_hf.cache.s3r_cache import S3RCache, take_plain_handoff
 from s3r_hf.cache.score_recorder import VerifyScoreRecorder
 from s3r_hf.kernels import get_backend
 from s3r_hf.model_session import attention_override, hold
-from s3r_hf.step_plan import StepPlan
+from s3r_hf.step_plan import DenseSegments, StepPlan
 
 # Engine steps: no attention mask is built (transformers skips mask creation for implementations without a
 # registered mask function); the step plan says who attends to what.
@@ -57,7 +59,11 @@ def s3r_attention_forward(
         out = None
     else:
         out = torch.empty_like(packed)
-    if step.dense is not None:
+    if step.dense is not None and step.dense.prefill_spans is not None:  # a prefill step of long chunks
+        out, scores = _prefill_attention(query, key, value, pools, step.dense, scale, backend)
+        if scores is not None:
+            step.scores[layer_idx] = scores
+    elif step.dense is not None:
         dense = step.dense
         dense_out, _, scores = backend.paged_dense_attention(
             _rows(packed, dense.query_index), pools.keys, pools.values, dense.block_tables, dense.cu_seqlens,
@@ -79,6 +85,39 @@ def s3r_attention_forward(
         out = sparse_out if out is None else out.index_copy_(0, sparse.query_index, sparse_out)
     step.layers_seen.add(layer_idx)
     return out.unsqueeze(0), None
+
+
+def _prefill_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pools, dense: DenseSegments, scale: float, backend
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A prefill step's attention segment by segment through torch's fused SDPA kernels, `[N, Hq, D]`, and the scores
+    of its scored queries from the paged kernel over those queries alone (the same scores the paged kernel gives
+    for the whole step: each scored query sees the same keys). A chunk that starts at position 0 attends to its own
+    K/V; a later chunk of a prompt to the K/V cached before it as well, gathered from its pages."""
+    page_size = pools.keys.shape[1]
+    outputs = []
+    for segment, (row, start, end) in enumerate(dense.prefill_spans):
+        rows = slice(row, row + end - start)
+        if start == 0:
+            keys, values, mask = key[:, :, rows], value[:, :, rows], None
+        else:
+            pages = dense.block_tables[segment, : -(-end // page_size)].long()
+            keys = pools.keys[pages].flatten(0, 1)[:end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, end, D]
+            values = pools.values[pages].flatten(0, 1)[:end].transpose(0, 1).unsqueeze(0)
+            mask = causal_lower_right(end - start, end)  # query i sits at position start + i
+        outputs.append(F.scaled_dot_product_attention(
+            query[:, :, rows], keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+        ))
+    out = torch.cat(outputs, dim=2)[0].transpose(0, 1)  # [N, Hq, D]
+    scored = dense.scored
+    if scored is None:
+        return out, None
+    _, _, scores = backend.paged_dense_attention(
+        query[0].transpose(0, 1)[scored.query_index], pools.keys, pools.values, scored.block_tables,
+        scored.cu_seqlens, scored.positions, scale, scored.score_starts, max_query_len=scored.max_query_len,
+        max_context=scored.max_context, max_scored_queries=scored.max_scored_queries,
+    )
+    return out, scores
 
 
 def _only_kind(step: StepPlan) -> bool:

@@ -165,7 +165,7 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     ;;
   tests)
     S3R_HF_TEST_DEVICE=cuda timeout 300 python3 -m pytest -p no:warnings -p no:cacheprovider -rs \
-      ${TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_compiled_layers.py tests/test_greedy_exactness.py tests/test_accept_stage.py tests/test_prelaunch.py tests/test_sampler.py tests/test_memory_release.py tests/test_kv_offload.py tests/test_draft_precision.py tests/test_fused_layers.py tests/test_aimd.py::test_greedy_output_equals_dense_while_the_limit_moves} \
+      ${TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_compiled_layers.py tests/test_greedy_exactness.py tests/test_accept_stage.py tests/test_prelaunch.py tests/test_sampler.py tests/test_memory_release.py tests/test_kv_offload.py tests/test_draft_precision.py tests/test_fused_layers.py tests/test_prefill_attention.py tests/test_aimd.py::test_greedy_output_equals_dense_while_the_limit_moves} \
       2>&1 | tee "$OUT/tests.log" | tail -15
     ;;
   all-tests)

@@ -23,6 +23,28 @@ from s3r_hf.staging import to_device, to_device_packed
 from s3r_hf.stats import S3RStats
 from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
 
+SDPA_PREFILL_QUERIES = 1024
+"""Prefill steps with a chunk at least this long run their attention through torch's fused SDPA kernels, segment by
+segment: on an H200 several times the paged kernel's rate at long prompts (docs/benchmarks.md). Shorter chunks stay
+with the paged kernel, which serves every segment in one launch."""
+
+
+def scored_queries(
+    spans: list[tuple[int, int, int]], score_starts: list[int]
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The scored queries of a prefill step as segments of their own, one per chunk (empty where the chunk is not
+    scored): their packed rows, query offsets, positions, and first scored query of each segment (0, or -1 where
+    empty). `spans`: `(first packed row, first position, end position)` per chunk; `score_starts`: the chunk's first
+    scored query, -1 where it is not scored."""
+    rows, cu, positions, starts = [], [0], [], []
+    for (row, start, end), first in zip(spans, score_starts):
+        count = end - start - first if first >= 0 else 0
+        rows.extend(range(row + first, row + first + count))
+        positions.extend(range(end - count, end))
+        cu.append(cu[-1] + count)
+        starts.append(0 if count else -1)
+    return rows, cu, positions, starts
+
 
 class Verified(NamedTuple):
     """A verify forward's plan, logits `[N, V]`, block starts (`N` offsets per request, then the end) and
@@ -142,12 +164,27 @@ class ModelRunner:
             max_context=chunks.max_context,
             max_scored_queries=chunks.max_scored_queries,
         )
+        if chunks.max_query_len >= SDPA_PREFILL_QUERIES:
+            dense.prefill_spans = [(row, c.start, c.end) for row, c in zip(chunks.cu_seqlens, chunks.chunks)]
+            dense.scored = self._scored_queries(chunks, dense)
         plan = StepPlan(write_index=self.tensor(chunks.write), position_ids=dense.positions.long()[None], dense=dense)
         logits = self.forward(chunks.tokens, plan, keep=self.tensor(chunks.last_rows))
         chunks.done(self.cache)
         self.stats.prefill_tokens += chunks.num_tokens
         self.stats.shared_prompt_tokens += chunks.shared_tokens
         return plan, chunks.finals, chunks.finished, logits
+
+    def _scored_queries(self, chunks: PromptChunks, dense: DenseSegments) -> DenseSegments | None:
+        """The prefill's scored queries as segments of their own (`scored_queries`), or None if none is scored."""
+        rows, cu, positions, starts = scored_queries(dense.prefill_spans, chunks.score_starts)
+        if not rows:
+            return None
+        return DenseSegments(
+            query_index=self.tensor(rows), cu_seqlens=self.int32(cu), positions=self.int32(positions),
+            block_tables=dense.block_tables, score_starts=self.int32(starts), history_lens=dense.history_lens,
+            num_candidates=dense.num_candidates, max_query_len=max(b - a for a, b in zip(cu, cu[1:])),
+            max_context=dense.max_context, max_scored_queries=dense.max_scored_queries,
+        )
 
     def prompt_chunks(
         self, requests: list[Request], only_if_fits: bool = False, donors: dict[bytes, Request] | None = None
