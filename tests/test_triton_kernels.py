@@ -80,6 +80,31 @@ def test_dense_attention_matches_reference(page_size, group, scored, key_splits)
         assert actual[2] is None
 
 
+@pytest.mark.parametrize("tiling", [
+    {"ROWS": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+    {"ROWS": 128, "BLOCK_N": 16, "num_warps": 8, "num_stages": 3},
+])
+@pytest.mark.parametrize("group", [2, 3])
+def test_prefill_tilings_match_reference(tiling, group, monkeypatch):
+    """Segments of `PREFILL_QUERIES` queries or more take `PREFILL_TILING` (here from 8 queries on): whole prompts
+    and later chunks, one scored."""
+    monkeypatch.setattr(triton_backend, "PREFILL_QUERIES", 8)
+    monkeypatch.setattr(triton_backend, "PREFILL_TILING", tiling)
+    generator = torch.Generator().manual_seed(group)
+    page_size, num_kv_heads, head_dim = 4, 2, 16
+    seg_lens, contexts = [45, 20], [45, 52]
+    num_pages = sum(-(-c // page_size) for c in contexts) + 1
+    key_pool, value_pool = paged_pools(num_pages, page_size, num_kv_heads, head_dim, generator)
+    tables = block_tables_for(contexts, page_size, num_pages, generator)
+    positions = torch.cat([torch.arange(c - n, c) for c, n in zip(contexts, seg_lens)]).to(DEVICE)
+    cu = torch.tensor([0, 45, 65], device=DEVICE)
+    query = torch.randn(sum(seg_lens), num_kv_heads * group, head_dim, generator=generator).to(DEVICE)
+    starts = torch.tensor([38, -1], device=DEVICE)
+    args = (query, key_pool, value_pool, tables, cu, positions, 0.3, starts)
+    for actual, expected in zip(triton_backend.paged_dense_attention(*args), reference.paged_dense_attention(*args)):
+        torch.testing.assert_close(actual, expected, **TOL)
+
+
 @pytest.mark.usefixtures("score_source")
 def test_scores_of_more_rows_than_one_score_tile():
     """A prefill chunk may score many queries: 40 queries x 2 heads = 80 scored rows, over one 64-row tile."""

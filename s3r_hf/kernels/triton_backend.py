@@ -173,8 +173,11 @@ PREFILL_QUERIES = 256
 """Segments at least this long (prefill chunks) are tiled for arithmetic throughput: many queries share each K/V
 tile, where a decode step or a verify block has a handful and streams its keys."""
 
-PREFILL_TILING = {"ROWS": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-"""(query, GQA head) rows per program and the launch settings of prefill-length segments."""
+PREFILL_TILING = {"ROWS": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+"""(query, GQA head) rows per program and the launch settings of prefill-length segments: of 24 tilings timed on
+8 prompts of 8K (Qwen3-1.7B heads) and 4K (SmolLM2's), the fastest for SmolLM2 and within 10% of the fastest for
+Qwen3-1.7B (`tools/prefill_attention.py`, docs/benchmarks.md). Chunks of `SDPA_PREFILL_QUERIES` or more go to
+torch's SDPA instead (`engine/model_runner.py`)."""
 
 
 def query_tiling(
