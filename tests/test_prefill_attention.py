@@ -97,8 +97,8 @@ def test_greedy_matches_dense_when_prefill_attends_through_sdpa(chunk, monkeypat
         return original(*args, **kwargs)
 
     monkeypatch.setattr("s3r_hf.attention._prefill_attention", spy)
-    model = s3r_hf.enable(tiny_model("qwen3", seed=31))
-    input_ids, attention_mask = left_padded_batch([60, 17, 45], seed=32)
+    model = s3r_hf.enable(tiny_model("qwen3", seed=31).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([60, 17, 45], seed=32))
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=24)
     dense = model.generate(input_ids, **kwargs)
     config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.2, min_budget=4, page_size=4,
