@@ -163,6 +163,14 @@ def time_hf_generate(model, input_ids, max_new_tokens: int, device: str) -> dict
     return {"ms_per_step": decode / (max_new_tokens - 1) * 1e3, "tokens_per_s": tokens / decode}
 
 
+def _sweep(values: str, flag: str, kind) -> list:
+    """A comma-separated sweep flag's values; `UsageError` naming the flag for one that does not parse."""
+    try:
+        return [kind(v) for v in str(values).split(",")]
+    except ValueError as error:
+        raise UsageError(f"{flag}: {error}") from error
+
+
 def refresh_interval_arg(value: str) -> int | None:
     """`--refresh-interval`: a number of rounds, or "auto" for `S3RConfig.refresh_interval=None`."""
     return None if value.strip() == "auto" else int(value)
@@ -408,8 +416,14 @@ def bench_from_args(args: argparse.Namespace) -> list[dict] | dict:
     args.max_new_tokens = args.max_new_tokens or 128
     if any(name not in RANDOM_SHAPES for name in args.model or [DEFAULT_MODEL]):
         args.texts, args.prompt_source = load_texts(args.data, args.dataset, args.split)
-    args.budget = [float(v) for v in args.budget.split(",")]
-    args.refresh_interval = [refresh_interval_arg(v) for v in str(args.refresh_interval).split(",")]
+    args.budget = _sweep(args.budget, "--budget", float)
+    args.refresh_interval = _sweep(args.refresh_interval, "--refresh-interval", refresh_interval_arg)
+    for ratio, interval in itertools.product(args.budget, args.refresh_interval):
+        try:  # every setting of the sweep, before any model is built
+            S3RConfig(draft_len=args.draft_len, min_budget=args.min_budget, budget_ratio=ratio,
+                      refresh_interval=interval)
+        except ValueError as error:
+            raise UsageError(str(error)) from error
     dtype = getattr(torch, args.dtype)
     bandwidth = copy_bandwidth() if args.device.startswith("cuda") else float("nan")
     points = []

@@ -126,6 +126,17 @@ def test_fused_layers_on_a_model_they_do_not_fit_is_one_line(capsys: pytest.Capt
     )
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--refresh-interval", "x"], "--refresh-interval: invalid literal"),
+    (["--refresh-interval", "1,0"], "refresh_interval must be an integer >= 1"),
+    (["--budget", "0.05,y"], "--budget: could not convert"),
+    (["--budget", "2"], "budget_ratio must be a number in"),
+])
+def test_a_bad_bench_sweep_is_one_line(flags: list[str], message: str, capsys) -> None:
+    err = run_cli(["bench", "--model", "qwen3-tiny", "--device", "cpu", *flags], capsys)
+    assert message in err
+
+
 def test_verbose_adds_the_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["generate", "--model", "/nonexistent/dir", "--prompt", "hi", "--verbose"],
                  ["-v", "generate", "--model", "/nonexistent/dir", "--prompt", "hi"]):
