@@ -141,7 +141,7 @@ class _BucketCosts:
     seconds: dict[tuple[int, bool, bool], deque] = field(default_factory=dict)
     medians: dict[tuple[int, bool, bool], float] = field(default_factory=dict)  # kept current by `add`
     last_seen: dict[int, int] = field(default_factory=dict)  # round counter of each k's latest sample
-    pattern_seen: dict[tuple[bool, bool], int] = field(default_factory=dict)  # ... of each refresh pattern's
+    pattern_seen: dict[tuple[bool, bool], int] = field(default_factory=dict)  # refresh cycle of each pattern's latest
     rounds: int = 0
     choice: int | None = None  # the best k when last chosen
     probe_gap: int = 0
