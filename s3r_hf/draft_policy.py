@@ -152,10 +152,12 @@ class _BucketCosts:
     interval: int = 1  # the best refresh interval when last chosen
     interval_probe_gap: int = 0  # in cycles
     next_interval_probe: int = 0
+    extends_measured: bool = False  # a drafting round that only extended the views was timed here
 
     def add(self, key: tuple[int, bool, bool], seconds: float, samples: int) -> None:
         kept = self.seconds.setdefault(key, deque(maxlen=samples))
         kept.append(seconds)
+        self.extends_measured |= key[0] > 0 and not key[1]
         # The lower median of the recent samples: a capture or a recompilation that slipped into one sample does
         # not move it. Kept here rather than sorted on every choice (a choice is made every round).
         self.medians[key] = sorted(kept)[(len(kept) - 1) // 2]
@@ -344,7 +346,10 @@ class AdaptiveDraftLength:
     def _bucket_value(self, bucket: _BucketCosts, k: int) -> tuple[float, int] | None:
         """`_value` in one bucket: the best over the refresh intervals with a cost estimate."""
         best = None
-        for interval in self.refresh_intervals if k else (1,):
+        # Until an extending round was timed here only the shortest interval has a cost (and a choice is made every
+        # round, so the others are not even tried).
+        intervals = self.refresh_intervals if k and bucket.extends_measured else self.refresh_intervals[:1]
+        for interval in intervals:
             ratio = self._bucket_ratio(bucket, k, interval)
             if ratio is not None:
                 value = self.mean_tokens(k, interval) / ratio
