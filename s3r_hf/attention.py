@@ -90,13 +90,15 @@ def s3r_attention_forward(
 def _prefill_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pools, dense: DenseSegments, scale: float, backend
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A prefill step's attention segment by segment through torch's fused SDPA kernels, `[N, Hq, D]`, and the scores
-    of its scored queries from the paged kernel over those queries alone (the same scores the paged kernel gives
-    for the whole step: each scored query sees the same keys). A chunk that starts at position 0 attends to its own
-    K/V; a later chunk of a prompt to the K/V cached before it as well, gathered from its pages."""
+    """A prefill step's attention `[N, Hq, D]`: each long chunk through torch's fused SDPA kernels, the shorter ones
+    through the paged kernel in one launch, and the scores of the scored queries from the paged kernel over those
+    queries alone (the same scores it gives over the whole step: each scored query sees the same keys). A chunk that
+    starts at position 0 attends to its own K/V; a later chunk of a prompt to the K/V cached before it as well,
+    gathered from its pages."""
+    packed = query[0].transpose(0, 1)  # [N, Hq, D]
+    out = torch.empty_like(packed)
     page_size = pools.keys.shape[1]
-    outputs = []
-    for segment, (row, start, end) in enumerate(dense.prefill_spans):
+    for segment, row, start, end in dense.prefill_spans:
         rows = slice(row, row + end - start)
         if start == 0:
             keys, values, mask = key[:, :, rows], value[:, :, rows], None
@@ -105,19 +107,23 @@ def _prefill_attention(
             keys = pools.keys[pages].flatten(0, 1)[:end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, end, D]
             values = pools.values[pages].flatten(0, 1)[:end].transpose(0, 1).unsqueeze(0)
             mask = causal_lower_right(end - start, end)  # query i sits at position start + i
-        outputs.append(F.scaled_dot_product_attention(
+        out[rows] = F.scaled_dot_product_attention(
             query[:, :, rows], keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
-        ))
-    out = torch.cat(outputs, dim=2)[0].transpose(0, 1)  # [N, Hq, D]
-    scored = dense.scored
-    if scored is None:
+        )[0].transpose(0, 1)
+    if dense.paged is not None:
+        out.index_copy_(0, dense.paged.query_index, _paged(packed, pools, dense.paged, scale, backend)[0])
+    if dense.scored is None:
         return out, None
-    _, _, scores = backend.paged_dense_attention(
-        query[0].transpose(0, 1)[scored.query_index], pools.keys, pools.values, scored.block_tables,
-        scored.cu_seqlens, scored.positions, scale, scored.score_starts, max_query_len=scored.max_query_len,
-        max_context=scored.max_context, max_scored_queries=scored.max_scored_queries,
+    return out, _paged(packed, pools, dense.scored, scale, backend)[2]
+
+
+def _paged(packed: torch.Tensor, pools, segments: DenseSegments, scale: float, backend):
+    """The paged kernel over the queries of `segments` (a subset of a prefill step's, `query_index`)."""
+    return backend.paged_dense_attention(
+        packed[segments.query_index], pools.keys, pools.values, segments.block_tables, segments.cu_seqlens,
+        segments.positions, scale, segments.score_starts, max_query_len=segments.max_query_len,
+        max_context=segments.max_context, max_scored_queries=segments.max_scored_queries,
     )
-    return out, scores
 
 
 def _only_kind(step: StepPlan) -> bool:

@@ -27,10 +27,12 @@ class DenseSegments:
     max_context: int  # longest context, the last query's position + 1
     max_scored_queries: int = 0  # most scored queries of any segment (sizes the verify-score scratch)
     num_splits: int | None = None  # fixed key split (CUDA-graph steps); None lets the kernel choose
-    # A prefill step of long chunks: `(first packed row, first position, end position)` of every segment on the
-    # host. Each segment then runs through torch's fused causal attention (`attention.py`), and its scores come from
-    # the paged kernel over the scored queries alone (`scored`: the same segments with only those queries).
-    prefill_spans: list[tuple[int, int, int]] | None = None
+    # A prefill step with long chunks (`attention.py`): `(segment, first packed row, first position, end position)`
+    # of each long one, which runs through torch's fused causal attention; the other segments' queries (`paged`)
+    # and every segment's scored queries (`scored`, for their scores) go through the paged kernel, as segments with
+    # only those queries.
+    prefill_spans: list[tuple[int, int, int, int]] | None = None
+    paged: DenseSegments | None = None
     scored: DenseSegments | None = None
 
 

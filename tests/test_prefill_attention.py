@@ -1,7 +1,7 @@
-"""Prefill steps of long chunks attend through torch's SDPA segment by segment, with the scores of their scored
-queries from the paged kernel over those queries alone (`attention._prefill_attention`). The results must be the
-paged kernel's over the whole step, for chunks that start a prompt and chunks that continue one; greedy S3R must
-still equal dense decoding when every prefill takes this path."""
+"""Prefill steps with long chunks attend through torch's SDPA chunk by chunk, the shorter chunks of the step through
+the paged kernel in one launch, and the scores of the scored queries come from the paged kernel over those queries
+alone (`attention._prefill_attention`). The results must be the paged kernel's over the whole step, for chunks that
+start a prompt and chunks that continue one; greedy S3R must still equal dense decoding on this path."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import s3r_hf
 from s3r_hf import S3RConfig
 from s3r_hf.attention import _prefill_attention
 from s3r_hf.engine import model_runner
-from s3r_hf.engine.model_runner import scored_queries
+from s3r_hf.engine.model_runner import prefill_parts, query_subset
 from s3r_hf.kernels import get_backend, reference
 from s3r_hf.step_plan import DenseSegments
 from tests.conftest import left_padded_batch, tiny_model
@@ -29,55 +29,67 @@ def _on(segments: DenseSegments, device: torch.device) -> DenseSegments:
     return dataclasses.replace(segments, **moved)
 
 
-def test_scored_queries_are_the_last_of_each_scored_chunk():
+def test_a_prefill_step_splits_into_long_chunks_short_chunks_and_scored_queries():
     spans = [(0, 0, 10), (10, 4, 12), (18, 0, 5)]  # 10 queries, 8 queries (4 cached before), 5 queries
-    rows, cu, positions, starts = scored_queries(spans, [7, -1, 2])
-    assert rows == [7, 8, 9, 20, 21, 22]
-    assert cu == [0, 3, 3, 6]
-    assert positions == [7, 8, 9, 2, 3, 4]
-    assert starts == [0, -1, 0]
+    long, short, scored = prefill_parts(spans, [7, -1, 2], min_queries=8)
+    assert long == [(0, 0, 0, 10), (1, 10, 4, 12)]
+    assert short == [(0, 0), (0, 0), (0, 5)]
+    assert scored == [(7, 3), (0, 0), (2, 3)]
+    assert query_subset(spans, scored) == ([7, 8, 9, 20, 21, 22], [0, 3, 3, 6], [7, 8, 9, 2, 3, 4])
+    assert query_subset(spans, short) == ([18, 19, 20, 21, 22], [0, 0, 0, 5], [0, 1, 2, 3, 4])
+
+
+def _subset(spans, picks, tables, history_lens, scored: bool) -> DenseSegments:
+    rows, cu, positions = query_subset(spans, picks)
+    counts = [count for _, count in picks]
+    return DenseSegments(
+        query_index=torch.tensor(rows), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        positions=torch.tensor(positions, dtype=torch.int32), block_tables=tables,
+        score_starts=torch.tensor([0 if c else -1 for c in counts], dtype=torch.int32) if scored else None,
+        history_lens=history_lens, num_candidates=8, max_query_len=max(counts), max_context=56,
+        max_scored_queries=7 if scored else 0,
+    )
 
 
 def test_prefill_attention_matches_the_paged_kernel_over_the_whole_step():
     generator = torch.Generator().manual_seed(0)
     page, kv_heads, heads, dim = 4, 2, 4, 16
-    # Segment 0 starts a prompt (40 queries); segment 1 continues another after 24 cached tokens (32 queries).
-    spans = [(0, 0, 40), (40, 24, 56)]
-    pages = [10, 14]
+    # Segment 0 starts a prompt (40 queries); segment 1 continues another after 24 cached tokens (32 queries); both
+    # are long. Segment 2 continues a third after 10 cached tokens (6 queries): short, through the paged kernel.
+    spans = [(0, 0, 40), (40, 24, 56), (72, 10, 16)]
+    lengths = [end - start for _, start, end in spans]
+    pages = [10, 14, 4]
     key_pool = torch.randn(sum(pages), page, kv_heads, dim, generator=generator)
     value_pool = torch.randn_like(key_pool)
     order = torch.randperm(sum(pages), generator=generator)
-    tables = torch.zeros(2, max(pages), dtype=torch.int32)
-    tables[0, :10], tables[1, :14] = order[:10], order[10:]
-    positions = torch.cat([torch.arange(0, 40), torch.arange(24, 56)])
-    segment_of = torch.cat([torch.zeros(40, dtype=torch.long), torch.ones(32, dtype=torch.long)])
+    tables = torch.zeros(3, max(pages), dtype=torch.int32)
+    tables[0, :10], tables[1, :14], tables[2, :4] = order[:10], order[10:24], order[24:]
+    positions = torch.cat([torch.arange(start, end) for _, start, end in spans])
+    segment_of = torch.cat([torch.full((n,), s) for s, n in enumerate(lengths)])
     # The layer's own K/V of the step's tokens: what `S3RCache.update` wrote into the pools before attention.
     flat = tables[segment_of, positions // page].long() * page + positions % page
     key = key_pool.flatten(0, 1)[flat].transpose(0, 1).unsqueeze(0)  # [1, Hkv, N, D]
     value = value_pool.flatten(0, 1)[flat].transpose(0, 1).unsqueeze(0)
-    query = torch.randn(1, heads, 72, dim, generator=generator)
-    cu = torch.tensor([0, 40, 72], dtype=torch.int32)
-    score_starts = [33, 25]
+    query = torch.randn(1, heads, sum(lengths), dim, generator=generator)
+    cu = torch.tensor([0, 40, 72, 78], dtype=torch.int32)
+    score_starts = [33, 25, 1]
+    history_lens = torch.tensor([33, 49, 11])
+    long, short, scored = prefill_parts(spans, score_starts, min_queries=30)
     dense = DenseSegments(
         query_index=None, cu_seqlens=cu, positions=positions.int(), block_tables=tables,
-        score_starts=torch.tensor(score_starts, dtype=torch.int32), history_lens=torch.tensor([33, 49]),
-        num_candidates=8, max_query_len=40, max_context=56, max_scored_queries=7, prefill_spans=spans,
-    )
-    rows, scored_cu, scored_positions, starts = scored_queries(spans, score_starts)
-    dense.scored = DenseSegments(
-        query_index=torch.tensor(rows), cu_seqlens=torch.tensor(scored_cu, dtype=torch.int32),
-        positions=torch.tensor(scored_positions, dtype=torch.int32), block_tables=tables,
-        score_starts=torch.tensor(starts, dtype=torch.int32), history_lens=dense.history_lens, num_candidates=8,
-        max_query_len=7, max_context=56, max_scored_queries=7,
+        score_starts=torch.tensor(score_starts, dtype=torch.int32), history_lens=history_lens,
+        num_candidates=8, max_query_len=40, max_context=56, max_scored_queries=7, prefill_spans=long,
+        paged=_subset(spans, short, tables, history_lens, scored=False),
+        scored=_subset(spans, scored, tables, history_lens, scored=True),
     )
     pools = SimpleNamespace(keys=key_pool, values=value_pool)
     scale = dim**-0.5
     expected_out, _, expected_scores = reference.paged_dense_attention(
         query[0].transpose(0, 1), key_pool, value_pool, tables, cu, positions.int(), scale, dense.score_starts,
     )
-    # On CUDA: SDPA's kernels and the Triton scores, against the reference on the CPU.
+    # On CUDA: SDPA's kernels and the Triton kernels, against the reference on the CPU.
     dense = _on(dense, DEVICE)
-    dense.scored = _on(dense.scored, DEVICE)
+    dense.paged, dense.scored = _on(dense.paged, DEVICE), _on(dense.scored, DEVICE)
     pools = SimpleNamespace(keys=key_pool.to(DEVICE), values=value_pool.to(DEVICE))
     out, scores = _prefill_attention(query.to(DEVICE), key.to(DEVICE), value.to(DEVICE), pools, dense, scale,
                                      get_backend(DEVICE))
@@ -88,12 +100,14 @@ def test_prefill_attention_matches_the_paged_kernel_over_the_whole_step():
 
 @pytest.mark.parametrize("chunk", [2048, 24])  # whole prompts; chunks that continue a prompt
 def test_greedy_matches_dense_when_prefill_attends_through_sdpa(chunk, monkeypatch):
-    monkeypatch.setattr(model_runner, "SDPA_PREFILL_QUERIES", 8)
+    # Prompts of 60, 17 and 45 tokens. Whole, the 17-token one goes through the paged kernel in the step where the
+    # others go through SDPA; in steps of at most 24 tokens, later chunks of a prompt attend to its cached K/V.
+    monkeypatch.setattr(model_runner, "SDPA_PREFILL_QUERIES", 20)
     taken = []
     original = _prefill_attention
 
     def spy(*args, **kwargs):
-        taken.append(args[4].prefill_spans)
+        taken.append((args[4].prefill_spans, args[4].paged))
         return original(*args, **kwargs)
 
     monkeypatch.setattr("s3r_hf.attention._prefill_attention", spy)
@@ -106,4 +120,6 @@ def test_greedy_matches_dense_when_prefill_attends_through_sdpa(chunk, monkeypat
     out = model.generate(input_ids, s3r_config=config, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, dense)
     assert taken and out.s3r_stats.accepted > 0
-    assert any(start > 0 for spans in taken for _, start, _ in spans) == (chunk == 24)
+    assert any(start > 0 for spans, _ in taken for _, _, start, _ in spans) == (chunk == 24)
+    if chunk == 2048:  # one step packs all three prompts: two long chunks and a short one
+        assert any(paged is not None for _, paged in taken)

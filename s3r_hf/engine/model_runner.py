@@ -24,26 +24,37 @@ from s3r_hf.stats import S3RStats
 from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
 
 SDPA_PREFILL_QUERIES = 1024
-"""Prefill steps with a chunk at least this long run their attention through torch's fused SDPA kernels, segment by
-segment: on an H200 several times the paged kernel's rate at long prompts (docs/benchmarks.md). Shorter chunks stay
-with the paged kernel, which serves every segment in one launch."""
+"""Prefill chunks at least this long run their attention through torch's fused SDPA kernels, one call each: on an
+H200 several times the paged kernel's rate at long prompts (docs/benchmarks.md). The shorter chunks of the same step
+stay with the paged kernel, which serves them all in one launch."""
 
 
-def scored_queries(
-    spans: list[tuple[int, int, int]], score_starts: list[int]
-) -> tuple[list[int], list[int], list[int], list[int]]:
-    """The scored queries of a prefill step as segments of their own, one per chunk (empty where the chunk is not
-    scored): their packed rows, query offsets, positions, and first scored query of each segment (0, or -1 where
-    empty). `spans`: `(first packed row, first position, end position)` per chunk; `score_starts`: the chunk's first
-    scored query, -1 where it is not scored."""
-    rows, cu, positions, starts = [], [0], [], []
-    for (row, start, end), first in zip(spans, score_starts):
-        count = end - start - first if first >= 0 else 0
+def query_subset(
+    spans: list[tuple[int, int, int]], picks: list[tuple[int, int]]
+) -> tuple[list[int], list[int], list[int]]:
+    """Some queries of a prefill step as segments of their own, one per chunk: `picks[i] = (first, count)` takes
+    queries `first .. first + count` of chunk `i` (`count` 0: none). Returns their packed rows, query offsets and
+    positions. `spans`: `(first packed row, first position, end position)` of each chunk."""
+    rows, cu, positions = [], [0], []
+    for (row, start, _), (first, count) in zip(spans, picks):
         rows.extend(range(row + first, row + first + count))
-        positions.extend(range(end - count, end))
+        positions.extend(range(start + first, start + first + count))
         cu.append(cu[-1] + count)
-        starts.append(0 if count else -1)
-    return rows, cu, positions, starts
+    return rows, cu, positions
+
+
+def prefill_parts(
+    spans: list[tuple[int, int, int]], score_starts: list[int], min_queries: int
+) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+    """How a prefill step with a chunk of `min_queries` or more is split: `(chunk, first packed row, first position,
+    end position)` of each chunk that long (torch's SDPA), the picks (`query_subset`) of the shorter chunks (the
+    paged kernel) and of every chunk's scored queries (the paged kernel, for their scores)."""
+    long = [(chunk, *span) for chunk, span in enumerate(spans) if span[2] - span[1] >= min_queries]
+    long_chunks = {chunk for chunk, *_ in long}
+    short = [(0, 0) if chunk in long_chunks else (0, end - start) for chunk, (_, start, end) in enumerate(spans)]
+    scored = [(first, end - start - first) if first >= 0 else (0, 0) for (_, start, end), first in
+              zip(spans, score_starts)]
+    return long, short, scored
 
 
 class Verified(NamedTuple):
@@ -165,8 +176,10 @@ class ModelRunner:
             max_scored_queries=chunks.max_scored_queries,
         )
         if chunks.max_query_len >= SDPA_PREFILL_QUERIES:
-            dense.prefill_spans = [(row, c.start, c.end) for row, c in zip(chunks.cu_seqlens, chunks.chunks)]
-            dense.scored = self._scored_queries(chunks, dense)
+            spans = [(row, c.start, c.end) for row, c in zip(chunks.cu_seqlens, chunks.chunks)]
+            dense.prefill_spans, short, scored = prefill_parts(spans, chunks.score_starts, SDPA_PREFILL_QUERIES)
+            dense.paged = self._query_subset(dense, spans, short, scored=False)
+            dense.scored = self._query_subset(dense, spans, scored, scored=True)
         plan = StepPlan(write_index=self.tensor(chunks.write), position_ids=dense.positions.long()[None], dense=dense)
         logits = self.forward(chunks.tokens, plan, keep=self.tensor(chunks.last_rows))
         chunks.done(self.cache)
@@ -174,16 +187,21 @@ class ModelRunner:
         self.stats.shared_prompt_tokens += chunks.shared_tokens
         return plan, chunks.finals, chunks.finished, logits
 
-    def _scored_queries(self, chunks: PromptChunks, dense: DenseSegments) -> DenseSegments | None:
-        """The prefill's scored queries as segments of their own (`scored_queries`), or None if none is scored."""
-        rows, cu, positions, starts = scored_queries(dense.prefill_spans, chunks.score_starts)
+    def _query_subset(
+        self, dense: DenseSegments, spans: list[tuple[int, int, int]], picks: list[tuple[int, int]], scored: bool
+    ) -> DenseSegments | None:
+        """The picked queries (`query_subset`) as segments for the paged kernel, every one scored if `scored`; None
+        if none is picked."""
+        rows, cu, positions = query_subset(spans, picks)
         if not rows:
             return None
+        counts = [count for _, count in picks]
         return DenseSegments(
             query_index=self.tensor(rows), cu_seqlens=self.int32(cu), positions=self.int32(positions),
-            block_tables=dense.block_tables, score_starts=self.int32(starts), history_lens=dense.history_lens,
-            num_candidates=dense.num_candidates, max_query_len=max(b - a for a, b in zip(cu, cu[1:])),
-            max_context=dense.max_context, max_scored_queries=dense.max_scored_queries,
+            block_tables=dense.block_tables,
+            score_starts=self.int32([0 if count else -1 for count in counts]) if scored else None,
+            history_lens=dense.history_lens, num_candidates=dense.num_candidates, max_query_len=max(counts),
+            max_context=dense.max_context, max_scored_queries=dense.max_scored_queries if scored else 0,
         )
 
     def prompt_chunks(
