@@ -59,7 +59,7 @@ def s3r_attention_forward(
         out = None
     else:
         out = torch.empty_like(packed)
-    if step.dense is not None and step.dense.prefill_spans is not None:  # a prefill step of long chunks
+    if step.dense is not None and step.dense.prefill_spans is not None:  # a prefill step with long chunks
         out, scores = _prefill_attention(query, key, value, pools, step.dense, scale, backend)
         if scores is not None:
             step.scores[layer_idx] = scores
