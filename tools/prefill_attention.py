@@ -83,14 +83,13 @@ def run_shape(name: str, batch: int, seq: int) -> dict:
     q = query.view(batch, seq, heads, dim).transpose(1, 2)
     sdpa_ms = event_ms(lambda: F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True))
     reference = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
-    triton_backend.PREFILL_TILING = min(rows, key=lambda r: r["ms"]) if rows else default
-    triton_backend.PREFILL_TILING = {key: triton_backend.PREFILL_TILING[key] for key in GRID}
+    best = min(rows, key=lambda r: r["ms"]) if rows else None
+    triton_backend.PREFILL_TILING = {key: best[key] for key in GRID} if best else default
     best_out = attend()[0].view(batch, seq, heads, dim).transpose(1, 2).float()
     triton_backend.PREFILL_TILING = default
     sdpa_diff = (best_out - reference.float()).abs().max().item()
     print(f"{name} B={batch} S={seq} torch SDPA: {sdpa_ms:.3f} ms, {flops / sdpa_ms / 1e9:.0f} TFLOP/s; the fastest "
           f"tiling's output differs from it by {sdpa_diff:.2e}", flush=True)
-    best = min(rows, key=lambda r: r["ms"]) if rows else None
     print(f"{name}: fastest {best}")
     return {"shape": name, "batch": batch, "seq": seq, "rows": rows, "sdpa_ms": sdpa_ms, "sdpa_diff": sdpa_diff}
 
