@@ -270,7 +270,8 @@ class AdaptiveDraftLength:
         decay = self.acceptance_decay
         self.reached = [[count * decay for count in counts] for counts in self.reached]
         self.accepted = [[count * decay for count in counts] for counts in self.accepted]
-        reached, passed = self.reached[min(age, len(self.reached) - 1)], self.accepted[min(age, len(self.reached) - 1)]
+        row = min(age, len(self.reached) - 1)  # the oldest age counts every older one too
+        reached, passed = self.reached[row], self.accepted[row]
         for drafted, accepted in zip(draft_counts, accepted_counts):
             for position in range(min(accepted + 1, drafted, self.max_draft_len)):
                 reached[position] += 1
@@ -471,8 +472,9 @@ class AdaptiveDraftLength:
         return interval
 
     def _probe_interval(self, bucket: _BucketCosts, best: int) -> int:
-        """The neighbouring interval whose distinctive refresh pattern this bucket measured longest ago: every round
-        refreshing (interval 1), a refresh after an extension (2), an extension after an extension (3 and more)."""
+        """The neighbouring interval whose distinctive refresh pattern this bucket measured longest ago: a refresh
+        after a refresh (interval 1), an extension after a refresh (2), an extension after an extension (3 and
+        more)."""
         position = self.refresh_intervals.index(best)
         neighbours = self.refresh_intervals[max(position - 1, 0): position + 2]
         candidates = [interval for interval in neighbours if interval != best] or [best]

@@ -11,6 +11,14 @@ from s3r_hf.draft_policy import AdaptiveDraftLength, FixedDraftLength, RoundShap
 SHAPE = RoundShape(rows=64, context=4096)
 
 
+def kept_drafts(rng: random.Random, k: int, alpha: float) -> int:
+    """Drafts kept of `k`, each with probability `alpha`, until the first rejection."""
+    kept = 0
+    while kept < k and rng.random() < alpha:
+        kept += 1
+    return kept
+
+
 def _drive(policy: AdaptiveDraftLength, cost, alpha: float, rounds: int, shape: RoundShape = SHAPE, seed: int = 0):
     """Run `rounds` rounds as the engine would: choose k, then report its cost (only when the round before had the
     same k) and (for k > 0) 64 requests' acceptance tests, each draft kept with probability `alpha` until the first
@@ -23,13 +31,7 @@ def _drive(policy: AdaptiveDraftLength, cost, alpha: float, rounds: int, shape: 
             policy.observe_cost(shape, k, cost(k))
         choices.append(k)
         if k > 0:
-            accepted = []
-            for _ in range(64):
-                n = 0
-                while n < k and rng.random() < alpha:
-                    n += 1
-                accepted.append(n)
-            policy.observe_acceptance([k] * 64, accepted)
+            policy.observe_acceptance([k] * 64, [kept_drafts(rng, k, alpha) for _ in range(64)])
     return choices
 
 
@@ -129,12 +131,6 @@ ALPHA = 0.8
 TOKENS = 1 + sum(ALPHA**i for i in range(1, 7))  # E[τ(6)] when each draft is kept with probability ALPHA
 
 
-def _kept(rng: random.Random, k: int) -> int:
-    """Drafts kept of `k`, each with probability `ALPHA`, until the first rejection."""
-    kept = 0
-    while kept < k and rng.random() < ALPHA:
-        kept += 1
-    return kept
 
 
 def _probe_starts(choices: list[int]) -> int:
@@ -202,6 +198,6 @@ def test_new_buckets_keep_the_choice_their_neighbours_learned():
             policy.observe_cost(shape, k, 30.0 if k else 1.0)
         choices.append(k)
         if k:
-            policy.observe_acceptance([k] * 24, [_kept(rng, k) for _ in range(24)])
+            policy.observe_acceptance([k] * 24, [kept_drafts(rng, k, ALPHA) for _ in range(24)])
     assert len(policy.buckets) >= 6
     assert _probe_starts(choices[20:]) == 0

@@ -12,6 +12,7 @@ import random
 import pytest
 
 from s3r_hf.draft_policy import AdaptiveDraftLength, FixedDraftLength, RoundShape, ScriptedDraftLength, adaptive_for
+from tests.test_draft_policy import kept_drafts
 
 SHAPE = RoundShape(rows=64, context=8192)
 
@@ -39,13 +40,7 @@ def _drive(policy, alphas: list[float], rounds: int, dense: float = 1.0, round_b
             policy.observe_cost(SHAPE, k, seconds, refreshes, previous_refreshed)
         if k:
             alpha = alphas[min(age, len(alphas) - 1)]
-            kept = []
-            for _ in range(64):
-                n = 0
-                while n < k and rng.random() < alpha:
-                    n += 1
-                kept.append(n)
-            policy.observe_acceptance([k] * 64, kept, age)
+            policy.observe_acceptance([k] * 64, [kept_drafts(rng, k, alpha) for _ in range(64)], age)
         history.append((k, refreshes, age))
         previous_k, previous_refreshed = k, refreshes
         if k:

@@ -31,6 +31,18 @@ def block_tables_for(contexts, page_size, num_pages, generator):
     return table.to(DEVICE)
 
 
+def dense_inputs(seg_lens, contexts, page_size, group, generator, spare_pages=1, num_kv_heads=2, head_dim=16):
+    """Packed queries over paged K/V, segment `i` holding `seg_lens[i]` queries that end at position `contexts[i]`:
+    `(query, key_pool, value_pool, block_tables, cu_seqlens, positions)`, `paged_dense_attention`'s first arguments."""
+    num_pages = sum(-(-c // page_size) for c in contexts) + spare_pages
+    key_pool, value_pool = paged_pools(num_pages, page_size, num_kv_heads, head_dim, generator)
+    tables = block_tables_for(contexts, page_size, num_pages, generator)
+    positions = torch.cat([torch.arange(c - n, c) for c, n in zip(contexts, seg_lens)]).to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(seg_lens).cumsum(0).tolist()], device=DEVICE)
+    query = torch.randn(sum(seg_lens), num_kv_heads * group, head_dim, generator=generator).to(DEVICE)
+    return query, key_pool, value_pool, tables, cu, positions
+
+
 @pytest.fixture(params=[None, 3], ids=["auto-splits", "3-splits"])
 def key_splits(request, monkeypatch):
     """Also run every kernel with its keys split over 3 programs (flash-decoding path) at these small sizes."""
@@ -60,18 +72,11 @@ def score_source(request, monkeypatch):
 @pytest.mark.usefixtures("score_source")
 def test_dense_attention_matches_reference(page_size, group, scored, key_splits):
     generator = torch.Generator().manual_seed(page_size * 10 + group)
-    num_kv_heads, head_dim = 2, 16
-    seg_lens = [7, 1, 12, 3]
-    contexts = [19, 33, 12, 40]  # the third segment is a whole prompt (prefill from position 0)
-    num_pages = sum(-(-c // page_size) for c in contexts) + 2
-    key_pool, value_pool = paged_pools(num_pages, page_size, num_kv_heads, head_dim, generator)
-    tables = block_tables_for(contexts, page_size, num_pages, generator)
-    positions = torch.cat([torch.arange(c - n, c) for c, n in zip(contexts, seg_lens)]).to(DEVICE)
-    cu = torch.tensor([0, *torch.tensor(seg_lens).cumsum(0).tolist()], device=DEVICE)
-    query = torch.randn(sum(seg_lens), num_kv_heads * group, head_dim, generator=generator).to(DEVICE)
+    # The third segment is a whole prompt (prefill from position 0).
+    inputs = dense_inputs([7, 1, 12, 3], [19, 33, 12, 40], page_size, group, generator, spare_pages=2)
     starts = torch.tensor([0, 0, 9, -1], device=DEVICE) if scored else None
-    expected = reference.paged_dense_attention(query, key_pool, value_pool, tables, cu, positions, 0.3, starts)
-    actual = triton_backend.paged_dense_attention(query, key_pool, value_pool, tables, cu, positions, 0.3, starts)
+    expected = reference.paged_dense_attention(*inputs, 0.3, starts)
+    actual = triton_backend.paged_dense_attention(*inputs, 0.3, starts)
     torch.testing.assert_close(actual[0], expected[0], **TOL)
     torch.testing.assert_close(actual[1], expected[1], **TOL)
     if scored:
@@ -91,16 +96,8 @@ def test_prefill_tilings_match_reference(tiling, group, monkeypatch):
     monkeypatch.setattr(triton_backend, "PREFILL_QUERIES", 8)
     monkeypatch.setattr(triton_backend, "PREFILL_TILING", tiling)
     generator = torch.Generator().manual_seed(group)
-    page_size, num_kv_heads, head_dim = 4, 2, 16
-    seg_lens, contexts = [45, 20], [45, 52]
-    num_pages = sum(-(-c // page_size) for c in contexts) + 1
-    key_pool, value_pool = paged_pools(num_pages, page_size, num_kv_heads, head_dim, generator)
-    tables = block_tables_for(contexts, page_size, num_pages, generator)
-    positions = torch.cat([torch.arange(c - n, c) for c, n in zip(contexts, seg_lens)]).to(DEVICE)
-    cu = torch.tensor([0, 45, 65], device=DEVICE)
-    query = torch.randn(sum(seg_lens), num_kv_heads * group, head_dim, generator=generator).to(DEVICE)
-    starts = torch.tensor([38, -1], device=DEVICE)
-    args = (query, key_pool, value_pool, tables, cu, positions, 0.3, starts)
+    inputs = dense_inputs([45, 20], [45, 52], 4, group, generator)
+    args = (*inputs, 0.3, torch.tensor([38, -1], device=DEVICE))
     for actual, expected in zip(triton_backend.paged_dense_attention(*args), reference.paged_dense_attention(*args)):
         torch.testing.assert_close(actual, expected, **TOL)
 
@@ -109,16 +106,8 @@ def test_prefill_tilings_match_reference(tiling, group, monkeypatch):
 def test_scores_of_more_rows_than_one_score_tile():
     """A prefill chunk may score many queries: 40 queries x 2 heads = 80 scored rows, over one 64-row tile."""
     generator = torch.Generator().manual_seed(5)
-    page_size, num_kv_heads, group, head_dim = 4, 2, 2, 16
-    seg_lens, contexts = [40, 5], [52, 30]
-    num_pages = sum(-(-c // page_size) for c in contexts) + 1
-    key_pool, value_pool = paged_pools(num_pages, page_size, num_kv_heads, head_dim, generator)
-    tables = block_tables_for(contexts, page_size, num_pages, generator)
-    positions = torch.cat([torch.arange(c - n, c) for c, n in zip(contexts, seg_lens)]).to(DEVICE)
-    cu = torch.tensor([0, 40, 45], device=DEVICE)
-    query = torch.randn(sum(seg_lens), num_kv_heads * group, head_dim, generator=generator).to(DEVICE)
-    starts = torch.tensor([0, 2], device=DEVICE)
-    args = (query, key_pool, value_pool, tables, cu, positions, 0.3, starts)
+    inputs = dense_inputs([40, 5], [52, 30], 4, 2, generator)
+    args = (*inputs, 0.3, torch.tensor([0, 2], device=DEVICE))
     expected = reference.paged_dense_attention(*args)[2]
     torch.testing.assert_close(triton_backend.paged_dense_attention(*args)[2], expected, **TOL)
 
