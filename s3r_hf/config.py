@@ -69,11 +69,16 @@ class S3RConfig:
         concurrency_backoff (`float`, defaults to 0.7):
             Multiplicative decrease `beta` of the concurrency limit.
         utilization_low / utilization_high (`float`, defaults to 0.8 / 0.95):
-            KV-utilisation thresholds `(u_low, u_high)` of the AIMD rule. While requests run, a paused request is
-            restored, or a new one admitted, only if the pool stays at or below `u_low` with its pages taken: the
-            rest is headroom for the running requests' growth, so a request is not paused again rounds later.
+            KV-utilisation thresholds `(u_low, u_high)` of the AIMD rule.
         restore_backlog_threshold (`int`, defaults to 3):
             Restore backlog `O_th` above which the limit backs off.
+        admission_sigmas (`float` or `None`, defaults to 2.0):
+            While requests run, a paused request is restored, or a new one admitted, only if the running requests
+            and it are forecast to fit the pool at every coming step with this many standard deviations to spare
+            (`engine/kv_forecast.py`: the expected KV of those still running, from the response lengths seen so
+            far, kept from call to call). Higher pauses fewer requests and runs fewer at once; 0 admits on the
+            expected KV alone. `None` admits whatever the free pages hold now: the most requests at once, and the
+            most pauses.
         cuda_graphs (`bool`, defaults to `False`):
             On CUDA, capture the round's draft phase, dense decode steps and verify blocks as CUDA graphs per
             batch bucket and replay them. Each graph holds its own scratch memory for the call (estimated for a
@@ -135,6 +140,7 @@ class S3RConfig:
     utilization_low: float = 0.8
     utilization_high: float = 0.95
     restore_backlog_threshold: int = 3
+    admission_sigmas: float | None = 2.0
     cuda_graphs: bool = False
     compile_layers: bool = False
     fused_layers: bool = False
@@ -165,6 +171,8 @@ class S3RConfig:
         _check_float(self, "utilization_low", low=0.0, high=1.0)
         _check_float(self, "utilization_high", low=self.utilization_low, high=1.0)
         _check_int(self, "restore_backlog_threshold", low=0)
+        if self.admission_sigmas is not None:
+            _check_float(self, "admission_sigmas", low=0.0, high=10.0)
         flags = ("adaptive", "mixed_steps", "share_prompts", "cuda_graphs", "compile_layers", "fused_layers",
                  "keep_state", "return_logprobs")
         for name in flags:

@@ -11,6 +11,7 @@ end of a `kept_state(model)` block), and reused by every later call it fits:
 - the fused Q/K/V and gate/up weights of compiled layers, refilled in place from the model's weights on every call
   (the graphs read them by address, so an optimizer step between calls is picked up, and never missed);
 - the adaptive draft-length rule's measurements (a few hundred numbers, no device memory);
+- the response lengths seen so far, which admissions under KV pressure forecast from (`engine/kv_forecast.py`);
 - how many calls used each fixed `S3RConfig.seed` (`call_seed`), so that successive calls draw new streams.
 
 Everything a graph reads by address must still be where it was captured: the model's parameters and buffers are
@@ -30,6 +31,7 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -41,6 +43,9 @@ from s3r_hf.cuda_graphs import DecodeGraphs
 from s3r_hf.draft_policy import AdaptiveDraftLength, adaptive_for
 from s3r_hf.fused_projections import FusedProjections
 from s3r_hf.model_forward import ModelForward
+
+if TYPE_CHECKING:  # the engine package imports this module
+    from s3r_hf.engine.kv_forecast import KVForecast
 
 logger = logging.get_logger(__name__)
 
@@ -69,6 +74,7 @@ class ModelRuntime:
         self.fused: FusedProjections | None = None
         self.policies: dict[tuple[int, int | None], AdaptiveDraftLength] = {}  # by (draft_len, refresh_interval)
         self.seed_calls: dict[int, int] = {}  # calls so far per fixed seed
+        self.length_forecasts: dict[int, KVForecast] = {}  # by page size
         self._pages_wanted = 0  # the page count the pool was sized for (before a cap by free memory)
         self._fingerprint: tuple | None = None
         self._graphs_compiled = False  # whether the graphs were captured with compiled layers
@@ -90,6 +96,15 @@ class ModelRuntime:
         if key not in self.policies:
             self.policies[key] = adaptive_for(draft_len, refresh_interval)
         return self.policies[key]
+
+    def length_forecast(self, page_size: int) -> KVForecast:
+        """The response-length model admissions forecast from (`engine/kv_forecast.py`), for pools of `page_size`
+        tokens per page, created on first use and kept from call to call."""
+        from s3r_hf.engine.kv_forecast import KVForecast
+
+        if page_size not in self.length_forecasts:
+            self.length_forecasts[page_size] = KVForecast(page_size, None)
+        return self.length_forecasts[page_size]
 
     def call_seed(self, seed: int) -> int:
         """The generator seed of this call for a fixed `S3RConfig.seed`: different on every rank and for every

@@ -58,7 +58,7 @@ def test_varying_draft_lengths_under_kv_pressure_with_a_queue_and_eos(refreshes,
     free = model.generate(input_ids, eos_token_id=None, **kwargs)[:, input_ids.shape[1]:]
     kwargs["eos_token_id"] = [int(free[0, 25]), int(free[3, 33])]
     dense = model.generate(input_ids, **kwargs)
-    config = _config(num_pages=30, concurrency_min=4, concurrency_max=4)
+    config = _config(num_pages=30, concurrency_min=4, concurrency_max=4, admission_sigmas=None)  # pauses wanted
     policy = ScriptedDraftLength([0, 2, 3, 0, 0, 1], refreshes=refreshes)
     out = model.generate(input_ids, s3r_config=config, s3r_draft_policy=policy, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, dense)

@@ -12,11 +12,8 @@ import torch
 
 import s3r_hf
 from s3r_hf import S3RConfig
-from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.engine.concurrency import AIMDConcurrency
 from s3r_hf.engine.prompt_chunks import PromptChunks
-from s3r_hf.engine.scheduler import Scheduler
-from s3r_hf.request import Request, RequestStatus
 from s3r_hf.stats import S3RStats
 from tests.conftest import left_padded_batch, tiny_model
 from tests.exact_distribution import (
@@ -103,11 +100,11 @@ def test_stats_keep_the_limit_where_it_changed():
 
 # ---------------------------------------------------------------- in the engine
 # Ten requests, room for about three at full length, a limit between 2 and 8 that backs off when the pool is more
-# than 60% used or any paused request waits, and grows again below 50% (where restores and admissions stop while
-# others run).
+# than 60% used or any paused request waits, and grows again below 50%. Admissions take whatever fits now
+# (`admission_sigmas=None`), so that requests are paused and restored.
 MOVING = dict(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, num_pages=40, concurrency_min=2,
               concurrency_max=8, concurrency_step=1, concurrency_backoff=0.5, utilization_low=0.5,
-              utilization_high=0.6, restore_backlog_threshold=0)
+              utilization_high=0.6, restore_backlog_threshold=0, admission_sigmas=None)
 
 
 def _moving_run(model, do_sample: bool, **config):
@@ -162,7 +159,7 @@ def test_sampled_output_follows_the_dense_distribution_while_the_limit_moves(mon
     probs, _ = exact_continuation_distribution(model, prompt, NEW_TOKENS, sampling_warpers(temperature=1.0))
     config = dict(adaptive=False, draft_len=2, budget_ratio=0.05, min_budget=1, page_size=4, num_pages=1024,
                   concurrency_min=32, concurrency_max=512, concurrency_step=32, concurrency_backoff=0.5,
-                  utilization_low=0.9, utilization_high=0.95, restore_backlog_threshold=0)
+                  utilization_low=0.9, utilization_high=0.95, restore_backlog_threshold=0, admission_sigmas=None)
     sequences, moved = [], []
     for seed in (11, 12):
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=1.0,
@@ -177,79 +174,3 @@ def test_sampled_output_follows_the_dense_distribution_while_the_limit_moves(mon
     for counted, expected in ((counts, probs), (counts.sum(dim=-1), probs.sum(dim=-1))):
         result = g_test(counted, expected)
         assert result["impossible"] == 0 and result["p_value"] > 1e-3, result
-
-
-# ---------------------------------------------------------------- restores and admissions leave headroom
-def _running_request(cache: S3RCache, row: int, tokens: int, max_new_tokens: int = 64) -> Request:
-    """A request whose `tokens` prompt tokens are all in the cache (it decodes next)."""
-    prompt = torch.arange(3, 3 + tokens)
-    request = Request(row=row, prompt_ids=prompt, tokens=torch.zeros(tokens + max_new_tokens + 8, dtype=torch.long),
-                      length=tokens, max_new_tokens=max_new_tokens, status=RequestStatus.RUNNING)
-    request.tokens[:tokens] = prompt
-    request.prefilled = request.committed = tokens
-    request.slot = cache.add_request()
-    cache.reserve(request.slot, tokens)
-    cache.set_length(request.slot, tokens)
-    return request
-
-
-def _scheduler_with_paused(
-    tokens_running: int | None, tokens_paused: int, max_new_tokens: int = 64
-) -> tuple[Scheduler, Request]:
-    """A pool of 40 pages of 4 tokens, `utilization_low` 0.5; one running request (if any), one paused, each with
-    `max_new_tokens` (64: together they do not fit at their longest)."""
-    config = S3RConfig(page_size=4, num_pages=40, draft_len=3, concurrency_min=1, concurrency_max=4,
-                       utilization_low=0.5, utilization_high=0.6)
-    cache = S3RCache(tiny_model("llama").config, num_pages=40, page_size=4, max_requests=4)
-    scheduler = Scheduler(cache, config, S3RStats())
-    if tokens_running is not None:
-        scheduler.running.append(_running_request(cache, 0, tokens_running, max_new_tokens))
-    paused = _running_request(cache, 1, tokens_paused, max_new_tokens)
-    paused.offloaded, paused.status = cache.offload(paused.slot), RequestStatus.PAUSED
-    scheduler.paused.append(paused)
-    return scheduler, paused
-
-
-def test_a_paused_request_comes_back_only_with_headroom_for_the_running_ones():
-    # Running: 60 tokens, 15 pages. Paused: 20 tokens, 6 pages with its next round. 25 pages are free, yet 15 + 6
-    # is above half the pool: restored, it would be paused again within a few rounds of growth.
-    scheduler, paused = _scheduler_with_paused(60, 20)
-    assert scheduler.cache.free_pages == 25 and scheduler.pages_needed(paused) == 6
-    scheduler.schedule()
-    assert list(scheduler.paused) == [paused] and scheduler.stats.pages_restored == 0
-    # The running request rolls back to 56 tokens (14 pages): 14 + 6 fits under half the pool.
-    scheduler.cache.set_length(scheduler.running[0].slot, 56)
-    scheduler.running[0].committed = 56
-    scheduler.schedule()
-    assert not scheduler.paused and paused in scheduler.running and scheduler.stats.pages_restored == 5
-
-
-def test_a_paused_request_comes_back_without_headroom_when_both_fit_at_their_longest():
-    # The same pages as above, but 8 new tokens each: 60 + 8 + 4 and 20 + 8 + 4 tokens, 18 + 8 pages at their
-    # longest, fit the 40 pages, so restoring it can never pause anyone.
-    scheduler, paused = _scheduler_with_paused(60, 20, max_new_tokens=8)
-    scheduler.schedule()
-    assert not scheduler.paused and paused in scheduler.running
-
-
-def test_with_nothing_running_a_paused_request_comes_back_if_it_fits_at_all():
-    scheduler, paused = _scheduler_with_paused(None, 120)  # 31 pages with its next round: above half, below all
-    scheduler.schedule()
-    assert scheduler.running == [paused] and paused.status is RequestStatus.RUNNING
-
-
-@pytest.mark.parametrize("max_new_tokens, admitted", [(16, 5), (4, 6)])
-def test_new_requests_are_admitted_up_to_utilization_low_while_others_run(max_new_tokens, admitted):
-    """With 16 new tokens each the six do not fit at their longest (8 pages each), so admissions stop at half the
-    pool; with 4 (5 pages each, 30 in all) no pause can follow, and all six come in."""
-    config = S3RConfig(page_size=4, num_pages=40, draft_len=3, concurrency_min=8, concurrency_max=8,
-                       utilization_low=0.5, utilization_high=0.6)
-    cache = S3RCache(tiny_model("llama").config, num_pages=40, page_size=4, max_requests=8)
-    scheduler = Scheduler(cache, config, S3RStats())
-    # Six waiting prompts of 12 tokens: 4 pages each with their first round.
-    waiting = [Request(row=row, prompt_ids=torch.arange(3, 15), tokens=torch.zeros(64, dtype=torch.long),
-                       length=12, max_new_tokens=max_new_tokens) for row in range(6)]
-    scheduler.add(waiting)
-    step = scheduler.schedule()
-    assert step.kind == "prefill" and len(scheduler.running) == admitted  # 5 x 4 = 20 pages: half the pool
-    assert len(scheduler.waiting) == 6 - admitted

@@ -94,8 +94,9 @@ def test_criteria_stop_rows_exactly_under_kv_pressure(monkeypatch):
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=40,
                   stopping_criteria=StoppingCriteriaList([StopOnOwnToken(stop_ids)]))
     dense = model.generate(input_ids, **kwargs)
-    # Restores and admissions fill the pool to the brim (`utilization_low`), so that rows are paused often.
-    config = S3RConfig(**{**CONFIG.to_dict(), "num_pages": 30, "utilization_low": 1.0, "utilization_high": 1.0})
+    # Restores and admissions take whatever fits now (`admission_sigmas=None`), so that rows are paused often.
+    config = S3RConfig(**{**CONFIG.to_dict(), "num_pages": 30, "utilization_low": 1.0, "utilization_high": 1.0,
+                          "admission_sigmas": None})
     out = model.generate(input_ids, s3r_config=config, **kwargs)
     assert torch.equal(out, dense)
     assert out.s3r_stats.offload_episodes > 0, "the pool was meant to run short"

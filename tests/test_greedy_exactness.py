@@ -140,9 +140,10 @@ def test_kv_pressure_pauses_and_resumes_requests(refresh_interval, view_checks):
     model = s3r_hf.enable(tiny_model("llama", seed=13))
     input_ids, attention_mask = left_padded_batch([20, 22, 24, 26], seed=14)
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40)
-    # Room for about two requests at full length: the others wait or are paused (offloaded) and resumed.
+    # Room for about two requests at full length: the others wait or are paused (offloaded) and resumed. Admissions
+    # take whatever fits now (`admission_sigmas=None`), so that requests are paused.
     config = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, num_pages=36,
-                       refresh_interval=refresh_interval)
+                       refresh_interval=refresh_interval, admission_sigmas=None)
     out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40,
                          s3r_config=config)
     assert torch.equal(out, dense)

@@ -43,8 +43,10 @@ def mixed_steps(monkeypatch) -> dict[str, int]:
 # steps, so prompts are prefilled while the others decode. Tokens 28 and 152 end several rows early (EOS).
 PROMPTS = [5, 17, 9, 23, 12, 30, 7, 19, 14, 26]
 QUEUE = dict(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, concurrency_min=3, concurrency_max=3,
-             prefill_chunk_size=16)
-SMALL_POOL = 20  # pages of 4 tokens: fewer than three requests at full length, so requests are paused and restored
+             prefill_chunk_size=16, admission_sigmas=None)
+# Pages of 4 tokens: fewer than three requests at full length, and admissions take whatever fits now (`QUEUE`), so
+# requests are paused and restored.
+SMALL_POOL = 20
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -103,7 +105,7 @@ def test_greedy_equals_dense_when_a_request_is_paused_mid_prompt(mixed_steps, mo
     input_ids, attention_mask = left_padded_batch([40, 8, 50, 12, 45, 9, 38, 10], seed=7)
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=30, pad_token_id=0)
     dense = model.generate(input_ids, **kwargs)
-    # Admissions fill the pool to the brim (`utilization_low`), so that the prompts outgrow it.
+    # Admissions take whatever fits now (`admission_sigmas=None`), so that the prompts outgrow the pool.
     config = dict(QUEUE, concurrency_min=4, concurrency_max=4, prefill_chunk_size=8, num_pages=24, adaptive=False,
                   utilization_low=1.0, utilization_high=1.0)
     out = model.generate(input_ids, s3r_config=S3RConfig(**config, mixed_steps=True), **kwargs)
@@ -112,8 +114,8 @@ def test_greedy_equals_dense_when_a_request_is_paused_mid_prompt(mixed_steps, mo
 
 
 # The sampled test of test_exactness_sampling.py, with arrivals: 5,000 requests per call queue for 256 slots and a
-# pool of 1,024 pages (requests are paused and restored too), and 32 prompts are prefilled per step (768 tokens), so
-# most prompts run in mixed steps next to decoding requests.
+# pool of 1,024 pages, and 32 prompts are prefilled per step (768 tokens), so most prompts run in mixed steps next to
+# decoding requests.
 VOCAB, PROMPT_LEN, NEW_TOKENS = 8, 24, 4
 ARRIVALS = dict(adaptive=False, draft_len=2, budget_ratio=0.05, min_budget=1, page_size=4, num_pages=1024,
                 concurrency_min=256, concurrency_max=256, prefill_chunk_size=32 * PROMPT_LEN, mixed_steps=True)
@@ -154,11 +156,12 @@ def test_sampled_output_follows_the_dense_distribution_with_arrivals(enumerable,
         assert result["p_value"] > 1e-3, result
 
 
-def test_unverified_drafts_are_rejected_with_arrivals(enumerable, mixed_steps):
-    """Power check: the same test tells the sparse drafter's own distribution from the dense one."""
+def test_unverified_drafts_are_rejected_with_arrivals(enumerable):
+    """Power check: the same test tells the sparse drafter's own distribution from the dense one. (The unverified
+    drafter commits every draft, so all responses of an admission wave end in the same round, and the next wave comes
+    in when the pool is empty: no step mixes them. The exact run above varies in its rounds and runs mixed steps.)"""
     model, prompt, probs = enumerable
     sequences = _sample_with_arrivals(model, prompt, seeds=(21,), rows=2_500, mode="unverified")
-    assert mixed_steps["steps"] > 0
     results = _g_tests(sequences, probs)
     print("\nunverified: " + ", ".join(f"{n} p={r['p_value']:.3g}" for n, r in results.items()))
     for result in results.values():

@@ -212,10 +212,10 @@ def test_early_launches_under_kv_pressure_with_a_queue_and_eos(seed, prelaunch_u
     free = model.generate(input_ids, eos_token_id=None, **kwargs)[:, input_ids.shape[1]:]
     kwargs["eos_token_id"] = [int(free[0, 30]), int(free[3, 40])]
     dense = model.generate(input_ids, **kwargs)
-    # Room for about one and a half requests at full length; at most four run at once.
+    # Room for about one and a half requests at full length; at most four run at once, admitted whenever they fit
+    # now (`admission_sigmas=None`), so that requests are paused.
     config = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.2, min_budget=2, page_size=4, num_pages=32,
-                       concurrency_min=4,
-                       concurrency_max=4, cuda_graphs=DEVICE.type == "cuda")
+                       concurrency_min=4, concurrency_max=4, admission_sigmas=None, cuda_graphs=DEVICE.type == "cuda")
     out = model.generate(input_ids, s3r_config=config, **kwargs)
     assert torch.equal(out, dense)
     assert out.s3r_stats.peak_kv_pages <= 32 and out.s3r_stats.offload_episodes > 0

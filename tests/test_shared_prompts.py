@@ -37,7 +37,7 @@ def test_greedy_equals_dense_with_shared_prompts(mixed_steps, num_pages):
     model = s3r_hf.enable(tiny_model("llama", seed=3))
     input_ids, attention_mask = _grouped_batch(GROUPS)
     dense, out = _run(model, input_ids, attention_mask, mixed_steps=mixed_steps, num_pages=num_pages,
-                      concurrency_min=6, concurrency_max=6)
+                      concurrency_min=6, concurrency_max=6, admission_sigmas=None)  # pauses wanted
     assert torch.equal(out.sequences, dense)
     stats = out.s3r_stats
     assert stats.shared_prompt_tokens > 0

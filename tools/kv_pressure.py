@@ -10,7 +10,9 @@ takes `vocab / --mean-length` ids, so lengths come out roughly geometric around 
 
 The KV pool: a first run ("ample pool") at a fixed limit of `--concurrency-max` with a pool that holds everything
 records its peak KV pages and warms up compilation and graph captures. Every run after it gets `--pool-fraction`
-(by default half) of that peak. Each run is one whole `generate` call over all requests, timed from the host.
+(by default half) of that peak. Each run is one whole `generate` call over all requests, timed from the host. The
+runs share the model's kept state, so admissions after the first run forecast from the response lengths of the
+runs before (`engine/kv_forecast.py`), as in an RL loop's later steps.
 Reported: generation tokens/s, decode time without CUDA-graph captures, pages moved per 1,000 generated tokens
 (offloaded plus restored: the paper's measure), offload episodes, peak host KV, the concurrency limit's range and
 back-offs, and tau.
@@ -42,6 +44,8 @@ def runs(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
     aimd = dict(concurrency_min=low, concurrency_max=high)
     table = [("AR, AIMD", "ar", aimd)]
     table += [(f"S3R offload-{c}", "s3r", dict(concurrency_min=c, concurrency_max=c)) for c in args.fixed]
+    for sigmas in args.admission_sigmas[1:]:  # the first is every run's (`base`)
+        table.append((f"S3R AIMD, admission z={sigmas}", "s3r", {**aimd, "admission_sigmas": sigmas}))
     table += [("S3R AIMD", "s3r", aimd), ("S3R AIMD, mixed steps", "s3r", {**aimd, "mixed_steps": True})]
     return table
 
@@ -114,13 +118,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fixed", default="128,160,256", help="fixed concurrency limits to run with offload")
     parser.add_argument("--adaptive", action="store_true", help="S3R with adaptive draft lengths (default: fixed k)")
     parser.add_argument("--utilization-low", type=float, default=S3RConfig.utilization_low,
-                        help="S3RConfig.utilization_low: the AIMD limit grows below it, admissions stop at it")
+                        help="S3RConfig.utilization_low: the AIMD limit grows below it")
+    parser.add_argument("--admission-sigmas", default=str(S3RConfig.admission_sigmas),
+                        help="S3RConfig.admission_sigmas of every run ('none': whatever fits now); more values "
+                             "(comma-separated) add S3R AIMD runs")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--no-graphs", dest="graphs", action="store_false", help="no CUDA graphs or compiled layers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     args.fixed = [int(c) for c in args.fixed.split(",") if c]
+    args.admission_sigmas = [None if z == "none" else float(z) for z in args.admission_sigmas.split(",") if z]
     console = Console(width=160)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -134,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
                   eos_token_id=eos.tolist(), pad_token_id=int(eos[0]), return_dict_in_generate=True)
     on_gpu = args.graphs and device == "cuda"
     base = S3RConfig(adaptive=args.adaptive, cuda_graphs=on_gpu, compile_layers=on_gpu, seed=args.seed,
-                     utilization_low=args.utilization_low)
+                     utilization_low=args.utilization_low, admission_sigmas=args.admission_sigmas[0])
 
     high = args.concurrency_max
     console.print(f"ample pool, fixed limit {high}: sizing and warm-up", highlight=False)

@@ -105,7 +105,7 @@ class S3REngine:
             runtime.forward, cache, config, sampling, self.stats, draft_phase, scores_verify=mode != "ar",
             vocab_size=vocab_size,
         )
-        self.scheduler = Scheduler(cache, config, self.stats)
+        self.scheduler = Scheduler(cache, config, self.stats, runtime.length_forecast(cache.page_size))
         self.views = IndexViewUpdates(cache, config, self.runner)
         self.committer = Committer(sampling, config.return_logprobs)
         self.timer = RoundTimer(timing, self.device, self.stats, self.runner.capture_seconds)

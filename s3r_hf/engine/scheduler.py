@@ -7,16 +7,19 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 from transformers.utils import logging
 
 from s3r_hf.cache.page_allocator import KVCapacityError
 from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.config import S3RConfig
 from s3r_hf.engine.concurrency import AIMDConcurrency
+from s3r_hf.engine.kv_forecast import KVForecast
 from s3r_hf.request import Request, RequestStatus
 from s3r_hf.stats import S3RStats
 
 logger = logging.get_logger(__name__)
+
 
 
 @dataclass
@@ -36,7 +39,9 @@ class Scheduler:
     prompt left, and decodes when none has; with `S3RConfig.mixed_steps` requests that have finished their prompts
     decode in the same step as the others prefill (a mixed step)."""
 
-    def __init__(self, cache: S3RCache, config: S3RConfig, stats: S3RStats) -> None:
+    def __init__(
+        self, cache: S3RCache, config: S3RConfig, stats: S3RStats, forecast: KVForecast | None = None
+    ) -> None:
         self.cache = cache
         self.config = config
         self.stats = stats
@@ -46,11 +51,15 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.paused: deque[Request] = deque()
+        # The response-length model behind admissions; the runtime's, kept from earlier calls, when given.
+        self.forecast = forecast if forecast is not None else KVForecast(cache.page_size, config.admission_sigmas)
 
     def add(self, requests: list[Request]) -> None:
         for request in requests:
             self.check_fits_alone(request)
         self.waiting.extend(requests)
+        longest = max((r.max_new_tokens for r in requests), default=1)
+        self.forecast.start_call(longest, self.config.admission_sigmas)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.paused)
@@ -71,6 +80,10 @@ class Scheduler:
     def finish_step(self) -> None:
         """Release the slots of requests that finished, and let the concurrency limit react to the step."""
         for request in [r for r in self.running if r.status is RequestStatus.FINISHED]:
+            if request.remaining > 0:  # ended on EOS or a stop rule
+                self.forecast.finished(len(request.generated))
+            else:  # cut at its limit: its length is only known to reach it
+                self.forecast.censored(len(request.generated))
             self.running.remove(request)
             self.cache.release(request.slot)
             request.slot = None
@@ -100,12 +113,13 @@ class Scheduler:
         """Restore paused requests first, then admit new ones, under the concurrency limit and KV capacity.
 
         Pages a running request will still take for its prompt (prefill reserves chunk by chunk) count as taken.
-        While other requests run, a request comes in only if the pool stays at or below `utilization_low` with its
-        pages taken: the running requests grow every round, and a request brought into the last free pages would
-        push the pool over within a few rounds, pausing one of them (often the request just restored) and moving
-        its pages twice more. That headroom is not kept where it cannot be needed: if the running requests and the
-        new one all fit at their longest (`Request.peak_kv_tokens`), nothing will ever be paused, and the request
-        comes in whenever its pages are free (a pool sized for the whole batch runs the whole batch at once).
+        While other requests run, a request comes in only if the running requests and it fit the pool at every
+        coming step by `KVForecast` (their expected KV plus `S3RConfig.admission_sigmas` deviations, from the
+        response lengths seen so far): a request brought into the last free pages would be paused again rounds
+        later, as the running requests grow together, and its pages moved twice more. The forecast is skipped where
+        it cannot matter: if the running requests and the new one all fit at their longest
+        (`Request.peak_kv_tokens`), nothing will ever be paused, and the request comes in whenever its pages are
+        free (a pool sized for the whole batch runs the whole batch at once).
         """
         running, paused, waiting = self.running, self.paused, self.waiting
         if not (paused or waiting) or len(running) >= self.concurrency.limit:
@@ -114,12 +128,12 @@ class Scheduler:
             max(0, self.pages_needed_for_prompt(r) - self.cache.pages_held(r.slot))
             for r in running if r.prefilled < r.prompt_len
         )
-        peaks = sum(self.peak_pages(r) for r in running)
+        admission = _Admission(self, running)
         while paused and len(running) < self.concurrency.limit:
             request = paused[0]
-            if not self._fits(request, self.pages_needed(request), promised, peaks):
+            if not admission.fits(request, self.pages_needed(request), promised):
                 break
-            peaks += self.peak_pages(request)
+            admission.add(request)
             paused.popleft()
             self.stats.pages_restored += request.offloaded.num_pages
             self.cache.restore(request.slot, request.offloaded)
@@ -131,10 +145,10 @@ class Scheduler:
         while waiting and len(running) < self.concurrency.limit:
             request = waiting[0]
             needed = self.pages_needed_for_prompt(request)
-            if not self._fits(request, needed, promised, peaks):
+            if not admission.fits(request, needed, promised):
                 break
             promised += needed
-            peaks += self.peak_pages(request)
+            admission.add(request)
             waiting.popleft()
             request.slot = self.cache.add_request()
             request.status = RequestStatus.RUNNING
@@ -143,16 +157,6 @@ class Scheduler:
     def peak_pages(self, request: Request) -> int:
         """Pages the request holds at its longest."""
         return self.cache.pages_for(request.peak_kv_tokens(self.config.draft_len))
-
-    def _fits(self, request: Request, needed: int, promised: int, peaks: int) -> bool:
-        """Whether `request`, needing `needed` more pages now, may come in: `promised` pages are spoken for already,
-        and the running requests hold `peaks` pages at their longest."""
-        taken = self.cache.used_pages + promised + needed
-        if taken > self.cache.num_pages:
-            return False
-        if not self.running or peaks + self.peak_pages(request) <= self.cache.num_pages:
-            return True  # alone, or no pause can ever follow: it only has to fit
-        return taken <= self.config.utilization_low * self.cache.num_pages
 
     def make_room_for_round(self, requests: list[Request], draft_count: Callable[[Request], int]) -> None:
         """Reserve the block of every request of the round (`draft_count(request)` drafts plus one token); pause
@@ -183,3 +187,52 @@ class Scheduler:
             self.stats.peak_host_kv_pages = max(self.stats.peak_host_kv_pages, host_pages)
             logger.info("paused request %d (%d KV tokens) under KV pressure", victim.row, victim.kv_tokens)
         self.stats.peak_kv_pages = max(self.stats.peak_kv_pages, self.cache.used_pages)
+
+
+class _Admission:
+    """One step's admission test over the running requests and those let in so far (`Scheduler._restore_and_admit`).
+    Per request the forecast counts its KV now (a whole prompt for one still prefilling) plus a page of rounding and
+    one round's block. The running requests' forecast is made once per step, on the first request the shortcuts
+    leave to it, and each request let in adds its own."""
+
+    def __init__(self, scheduler: Scheduler, running: list[Request]) -> None:
+        self.scheduler = scheduler
+        self.cache = scheduler.cache
+        self.forecast = scheduler.forecast
+        self.slack = self.cache.page_size - 1 + scheduler.config.draft_len + 1
+        self.running = running
+        self.peaks = sum(scheduler.peak_pages(r) for r in running)
+        self.alone = not running
+        self._log_survival: np.ndarray | None = None
+        self._mean = self._variance = None
+
+    def _occupancy(self, requests: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+        return self.forecast.occupancy(
+            np.array([max(r.kv_tokens, r.prompt_len) + self.slack for r in requests]),
+            np.array([len(r.generated) for r in requests]),
+            np.array([r.remaining for r in requests]),
+            self._log_survival,
+        )
+
+    def add(self, request: Request) -> None:
+        """`request` came in (it is not in the running list yet)."""
+        self.peaks += self.scheduler.peak_pages(request)
+        self.alone = False
+        if self._mean is not None:
+            mean, variance = self._occupancy([request])
+            self._mean, self._variance = self._mean + mean, self._variance + variance
+
+    def fits(self, request: Request, needed: int, promised: int) -> bool:
+        """Whether `request`, needing `needed` more pages now, may come in; `promised` pages are spoken for."""
+        cache = self.cache
+        if cache.used_pages + promised + needed > cache.num_pages:
+            return False
+        if self.alone or self.peaks + self.scheduler.peak_pages(request) <= cache.num_pages:
+            return True  # alone, or no pause can ever follow: it only has to fit
+        if self.forecast.sigmas is None:
+            return True  # `S3RConfig.admission_sigmas=None`: whatever fits now
+        if self._mean is None:  # the running requests' lengths so far are censored data of the length model
+            self._log_survival = self.forecast.log_survival(np.array([len(r.generated) for r in self.running]))
+            self._mean, self._variance = self._occupancy(self.running)
+        mean, variance = self._occupancy([request])
+        return self.forecast.peak(self._mean + mean, self._variance + variance) <= cache.num_pages * cache.page_size
