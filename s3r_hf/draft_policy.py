@@ -159,8 +159,11 @@ class _BucketCosts:
         kept.append(seconds)
         self.extends_measured |= key[0] > 0 and not key[1]
         # The lower median of the recent samples: a capture or a recompilation that slipped into one sample does
-        # not move it. Kept here rather than sorted on every choice (a choice is made every round).
-        self.medians[key] = sorted(kept)[(len(kept) - 1) // 2]
+        # not move it. Kept here rather than sorted on every choice (a choice is made every round). A dense step's
+        # cost is the least of its samples: dense steps vary little, and what varies is what slips into their
+        # intervals when they are probes between drafting rounds (the pipeline catching up). An inflated dense cost
+        # would make drafting look better than it is, and keep choosing it where it is slower.
+        self.medians[key] = min(kept) if key[0] == 0 else sorted(kept)[(len(kept) - 1) // 2]
 
     def dense(self) -> float | None:
         return self.medians.get((0, False, False))

@@ -79,10 +79,20 @@ def test_a_new_bucket_starts_from_its_neighbours_estimate():
 
 def test_costs_ignore_a_single_outlier():
     policy = AdaptiveDraftLength(6)
-    for seconds in (1.0, 50.0, 1.1, 0.9):  # a recompilation slipped into one sample
-        policy.observe_cost(SHAPE, 0, seconds)
-    policy.observe_cost(SHAPE, 6, 2.0)
+    for seconds in (2.0, 50.0, 2.2, 1.8):  # a recompilation slipped into one sample
+        policy.observe_cost(SHAPE, 6, seconds)
+    policy.observe_cost(SHAPE, 0, 1.0)
     assert policy.cost_ratio(SHAPE.bucket, 6) == pytest.approx(2.0 / 1.0)
+
+
+def test_a_dense_step_costs_the_least_of_its_samples():
+    """Dense probes between drafting rounds pay for the pipeline catching up; their cost is their floor, so that an
+    inflated dense cost does not make drafting look better than it is."""
+    policy = AdaptiveDraftLength(6)
+    for seconds in (1.3, 1.0, 1.4, 1.35, 50.0):
+        policy.observe_cost(SHAPE, 0, seconds)
+    policy.observe_cost(SHAPE, 6, 4.0)
+    assert policy.cost_ratio(SHAPE.bucket, 6) == pytest.approx(4.0 / 1.0)
 
 
 def test_fixed_and_scripted_lengths():
