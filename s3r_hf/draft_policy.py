@@ -146,6 +146,7 @@ class _BucketCosts:
     choice: int | None = None  # the best k when last chosen
     probe_gap: int = 0
     next_probe: int = 0
+    next_review: int = 0  # the round at which the choice is compared with the estimates again
     probe_k: int = 0  # the length being probed, while `probe_left` rounds of the probe remain
     probe_left: int = 0
     cycles: int = 0  # refresh cycles begun in this bucket
@@ -209,10 +210,13 @@ class AdaptiveDraftLength:
         switch_margin: how much more tokens per second drafting must promise to replace dense decoding.
         probe_budget: the share of a bucket's time its probes may lose, by the current estimates: a probe of a
             length that loses by far (drafting on a launch-bound model, say) waits correspondingly longer.
+        review_rounds: rounds a bucket keeps its choice before the estimates are compared again (probes and the
+            first choice in a bucket are never delayed).
 
     A choice is made before every round, so it must cost little next to a dense step of a small model: the medians,
     the expected tokens and each bucket's neighbours by distance are kept up to date as observations arrive instead
-    of being recomputed per choice.
+    of being recomputed per choice, and a bucket's choice is reviewed every `review_rounds` rounds rather than
+    every round (the estimates move little from one round to the next).
     """
 
     def __init__(
@@ -229,6 +233,7 @@ class AdaptiveDraftLength:
         probe_rounds: int = 3,
         switch_margin: float = 0.1,
         probe_budget: float = 0.01,
+        review_rounds: int = 8,
     ) -> None:
         if max_draft_len < 1:
             raise ValueError(f"AdaptiveDraftLength needs max_draft_len >= 1, got {max_draft_len}")
@@ -248,6 +253,7 @@ class AdaptiveDraftLength:
         self.probe_rounds = probe_rounds
         self.switch_margin = switch_margin
         self.probe_budget = probe_budget
+        self.review_rounds = review_rounds
         ages = self.refresh_intervals[-1]
         # Drafts at position j the acceptance test looked at, and those it passed, per view age (the last age
         # counts every older one too).
@@ -432,11 +438,21 @@ class AdaptiveDraftLength:
         key = shape.bucket
         bucket = self._bucket(key)
         bucket.rounds += 1
-        best, values = self._best(key, bucket.choice)
         if bucket.probe_left > 0:  # a probe in progress
             bucket.probe_left -= 1
             k = bucket.probe_k
-        elif best is None:  # nothing to compare yet: measure dense steps, then full rounds
+        elif bucket.choice is not None and bucket.rounds < min(bucket.next_review, bucket.next_probe):
+            k = bucket.choice  # between reviews
+        else:
+            k = self._review(bucket, key)
+        self.choices[k] = self.choices.get(k, 0) + 1
+        return k
+
+    def _review(self, bucket: _BucketCosts, key: tuple[int, int]) -> int:
+        """Compare the estimates again: the bucket's choice, or a probe when one is due."""
+        bucket.next_review = bucket.rounds + self.review_rounds
+        best, values = self._best(key, bucket.choice)
+        if best is None:  # nothing to compare yet: measure dense steps, then full rounds
             k = 0 if bucket.dense() is None else self.max_draft_len
         else:
             if best != bucket.choice:  # the evidence moved: look again soon, as soon as the probe is worth it
@@ -445,7 +461,6 @@ class AdaptiveDraftLength:
                 bucket.probe_gap = max(self.min_probe_gap, affordable)
                 bucket.next_probe = bucket.rounds + bucket.probe_gap
             k = self._probe(bucket, best, values) if bucket.rounds >= bucket.next_probe else best
-        self.choices[k] = self.choices.get(k, 0) + 1
         return k
 
     def refresh_due(self, shape: RoundShape, draft_len: int, age: int) -> bool:
