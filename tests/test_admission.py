@@ -221,3 +221,21 @@ def test_the_forecast_moves_fewer_pages_than_admitting_whatever_fits():
     forecast = simulator.simulate(base, lengths, num_pages, args, 0)
     assert greedy["episodes"] > 0 and greedy["pages_per_1k"] > 3 * forecast["pages_per_1k"]
     assert forecast["rows_per_round"] > 0.7 * greedy["rows_per_round"]
+
+
+def test_greedy_output_equals_dense_with_admissions_by_the_forecast():
+    """Ten requests for a pool of about three at full length, admitted by the forecast (the default): cold in the
+    first call, from the lengths the first call showed in the second. Outputs equal dense decoding in both."""
+    model = s3r_hf.enable(tiny_model("llama", seed=31))
+    input_ids, attention_mask = left_padded_batch([5, 17, 9, 23, 12, 30, 7, 19, 14, 26], seed=32)
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=36, pad_token_id=0)
+    free = model.generate(input_ids, eos_token_id=None, **kwargs)[:, input_ids.shape[1]:]
+    kwargs["eos_token_id"] = [int(free[0, 10]), int(free[3, 20]), int(free[6, 5])]  # some responses end early
+    dense = model.generate(input_ids, **kwargs)
+    config = S3RConfig(draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, num_pages=40, concurrency_min=2,
+                       concurrency_max=8)
+    for _ in range(2):
+        out = model.generate(input_ids, s3r_config=config, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, dense)
+        assert out.s3r_stats.peak_kv_pages <= 40
+    assert runtime_for(model).length_forecast(4).events.sum() > 0
