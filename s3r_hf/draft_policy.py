@@ -53,8 +53,10 @@ class RoundShape:
 
     @property
     def bucket(self) -> tuple[int, int]:
-        """Powers of two of both: costs within a bucket differ little, and few buckets keep probing cheap."""
-        return (max(0, math.ceil(math.log2(max(self.rows, 1)))), max(0, int(math.log2(max(self.context, 1)))))
+        """Powers of two of both: costs within a bucket differ little, and few buckets keep probing cheap. (The
+        ceiling of log2 of the rows and the floor of log2 of the context, in integer arithmetic: it is asked for
+        twice per step.)"""
+        return (max(self.rows - 1, 0).bit_length(), max(self.context, 1).bit_length() - 1)
 
 
 class DraftLengthPolicy(Protocol):
