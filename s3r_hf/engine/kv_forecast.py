@@ -51,6 +51,7 @@ class KVForecast:
         self.page_size = page_size
         self.sigmas = sigmas
         self.bin_tokens = 0  # set by the first call
+        self.prior_exposure = 0.0  # tokens a bin needs before its own hazard outweighs the pooled one (per call)
         self.num_bins = 0
         self.events = np.zeros(0)  # finished responses ending in each bin
         self.finished_exposure = np.zeros(0)  # tokens the finished responses spent in each bin
@@ -62,7 +63,7 @@ class KVForecast:
         self.sigmas = sigmas
         if not self.bin_tokens:
             self.bin_tokens = self.page_size * max(1, round(max_tokens / (self.BINS * self.page_size)))
-        self.prior_exposure = 8.0 * self.bin_tokens  # tokens a bin needs before its own hazard outweighs the pooled
+        self.prior_exposure = 8.0 * self.bin_tokens
         self.events *= self.CALL_DECAY
         self.finished_exposure *= self.CALL_DECAY
         bins = max(1, -(-max_tokens // self.bin_tokens))
@@ -74,7 +75,7 @@ class KVForecast:
             self._starts = np.arange(bins, dtype=np.int64) * self.bin_tokens
 
     def finished(self, length: int) -> None:
-        """A response of `length` tokens ended (EOS or a stop rule; one cut at its limit is censored instead)."""
+        """A response of `length` tokens ended on EOS (one cut at its limit is censored instead)."""
         self.events[min(length // self.bin_tokens, self.num_bins - 1)] += 1
         self.finished_exposure += self._exposure(np.array([length]))
 

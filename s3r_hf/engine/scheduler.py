@@ -21,7 +21,6 @@ from s3r_hf.stats import S3RStats
 logger = logging.get_logger(__name__)
 
 
-
 @dataclass
 class ScheduledStep:
     """The next step: `"prefill"` (the next prompt chunks of `requests`), `"decode"` (a round of every running
@@ -80,9 +79,9 @@ class Scheduler:
     def finish_step(self) -> None:
         """Release the slots of requests that finished, and let the concurrency limit react to the step."""
         for request in [r for r in self.running if r.status is RequestStatus.FINISHED]:
-            if request.remaining > 0:  # ended on EOS or a stop rule
+            if request.remaining > 0:  # ended on EOS
                 self.forecast.finished(len(request.generated))
-            else:  # cut at its limit: its length is only known to reach it
+            else:  # cut at its limit (a stopping criterion sets the limit too): its length is only known to reach it
                 self.forecast.censored(len(request.generated))
             self.running.remove(request)
             self.cache.release(request.slot)
@@ -215,7 +214,7 @@ class _Admission:
         )
 
     def add(self, request: Request) -> None:
-        """`request` came in (it is not in the running list yet)."""
+        """`request` comes in (the caller appends it to the running list next)."""
         self.peaks += self.scheduler.peak_pages(request)
         self.alone = False
         if self._mean is not None:
