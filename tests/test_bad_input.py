@@ -26,6 +26,8 @@ from tests.conftest import TINY, left_padded_batch, tiny_model
         ("kv_memory_fraction", 0.0, r"kv_memory_fraction must be a number in \(0.0, 1.0\]"),
         ("concurrency_backoff", 1.0, "concurrency_backoff"),
         ("utilization_high", 0.5, "utilization_high"),
+        ("admission_sigmas", -1.0, r"admission_sigmas must be a number in \[0.0, 10.0\]"),
+        ("admission_sigmas", "2", "admission_sigmas"),
         ("seed", -3, "seed"),
         ("return_logprobs", "yes", "return_logprobs"),
         ("draft_matmul_precision", "medium", 'draft_matmul_precision must be "highest" or "high"'),
