@@ -192,6 +192,23 @@ def test_choices_follow_new_observations():
     assert policy.cost_ratio(tail.bucket, 6) == pytest.approx(9.0)
 
 
+def test_a_bucket_reviews_its_choice_every_review_rounds(monkeypatch):
+    """Between reviews a choice costs no comparison of estimates; at the next review new evidence takes effect."""
+    policy = AdaptiveDraftLength(6, lengths=(0, 6), review_rounds=8, min_probe_gap=1000)
+    for _ in range(3):
+        policy.observe_cost(SHAPE, 0, 1.0)
+        policy.observe_cost(SHAPE, 6, 20.0)
+    policy.observe_acceptance([6] * 10, [6] * 10)
+    reviews = []
+    best = AdaptiveDraftLength._best
+    monkeypatch.setattr(AdaptiveDraftLength, "_best", lambda self, *a: reviews.append(1) or best(self, *a))
+    assert policy.choose(SHAPE) == 0 and len(reviews) == 1  # the bucket's first choice: reviewed at once
+    for _ in range(5):  # drafts got cheap
+        policy.observe_cost(SHAPE, 6, 2.0)
+    assert [policy.choose(SHAPE) for _ in range(7)] == [0] * 7 and len(reviews) == 1
+    assert policy.choose(SHAPE) == 6 and len(reviews) == 2  # the eighth round after the first: reviewed
+
+
 def test_new_buckets_keep_the_choice_their_neighbours_learned():
     """Contexts grow through many buckets in a long rollout. Where drafting loses thirtyfold, a bucket met for the
     first time starts from its neighbour's choice and probe gap instead of probing drafting again within a few
