@@ -115,7 +115,9 @@ def test_greedy_equals_dense_when_a_request_is_paused_mid_prompt(mixed_steps, mo
 
 # The sampled test of test_exactness_sampling.py, with arrivals: 5,000 requests per call queue for 256 slots and a
 # pool of 1,024 pages, and 32 prompts are prefilled per step (768 tokens), so most prompts run in mixed steps next to
-# decoding requests.
+# decoding requests. One call computes each identical prompt once (`share_prompts`), the other prefills every one:
+# then an admission wave spreads over several steps, and its responses end in different rounds even when every draft
+# is committed (the unverified drafter), so later arrivals meet decoding requests in that mode too.
 VOCAB, PROMPT_LEN, NEW_TOKENS = 8, 24, 4
 ARRIVALS = dict(adaptive=False, draft_len=2, budget_ratio=0.05, min_budget=1, page_size=4, num_pages=1024,
                 concurrency_min=256, concurrency_max=256, prefill_chunk_size=32 * PROMPT_LEN, mixed_steps=True)
@@ -129,12 +131,16 @@ def enumerable():
     return model, prompt, probs
 
 
-def _sample_with_arrivals(model, prompt, seeds: tuple[int, ...], rows: int, mode: str) -> torch.Tensor:
+def _sample_with_arrivals(
+    model, prompt, calls: tuple[tuple[int, bool], ...], rows: int, mode: str
+) -> torch.Tensor:
+    """`rows` samples per call, each call a `(seed, share_prompts)`."""
     sequences = []
-    for seed in seeds:
+    for seed, share_prompts in calls:
+        config = S3RConfig(**ARRIVALS, share_prompts=share_prompts, seed=seed)
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=1.0,
                              max_new_tokens=NEW_TOKENS, num_return_sequences=rows, return_dict_in_generate=True,
-                             s3r_config=S3RConfig(**ARRIVALS, seed=seed), s3r_mode=mode)
+                             s3r_config=config, s3r_mode=mode)
         sequences.append(out.sequences)
     return torch.cat(sequences)
 
@@ -146,7 +152,7 @@ def _g_tests(sequences: torch.Tensor, probs: torch.Tensor) -> dict[str, dict]:
 
 def test_sampled_output_follows_the_dense_distribution_with_arrivals(enumerable, mixed_steps):
     model, prompt, probs = enumerable
-    sequences = _sample_with_arrivals(model, prompt, seeds=(21, 22), rows=5_000, mode="s3r")
+    sequences = _sample_with_arrivals(model, prompt, calls=((21, True), (22, False)), rows=5_000, mode="s3r")
     assert mixed_steps["steps"] >= 100
     results = _g_tests(sequences, probs)
     p_values = ", ".join(f"{name} p={result['p_value']:.3g}" for name, result in results.items())
@@ -156,12 +162,13 @@ def test_sampled_output_follows_the_dense_distribution_with_arrivals(enumerable,
         assert result["p_value"] > 1e-3, result
 
 
-def test_unverified_drafts_are_rejected_with_arrivals(enumerable):
-    """Power check: the same test tells the sparse drafter's own distribution from the dense one. (The unverified
-    drafter commits every draft, so all responses of an admission wave end in the same round, and the next wave comes
-    in when the pool is empty: no step mixes them. The exact run above varies in its rounds and runs mixed steps.)"""
+def test_unverified_drafts_are_rejected_with_arrivals(enumerable, mixed_steps):
+    """Power check: the same test tells the sparse drafter's own distribution from the dense one. Prompts are not
+    shared here: with shared prompts an admission wave prefills in one step, and since the unverified drafter commits
+    every draft all of its responses end in the same round, so no arrival would meet a decoding request."""
     model, prompt, probs = enumerable
-    sequences = _sample_with_arrivals(model, prompt, seeds=(21,), rows=2_500, mode="unverified")
+    sequences = _sample_with_arrivals(model, prompt, calls=((21, False),), rows=2_500, mode="unverified")
+    assert mixed_steps["steps"] > 0
     results = _g_tests(sequences, probs)
     print("\nunverified: " + ", ".join(f"{n} p={r['p_value']:.3g}" for n, r in results.items()))
     for result in results.values():
