@@ -103,7 +103,7 @@ class ModelRuntime:
         from s3r_hf.engine.kv_forecast import KVForecast
 
         if page_size not in self.length_forecasts:
-            self.length_forecasts[page_size] = KVForecast(page_size, None)
+            self.length_forecasts[page_size] = KVForecast(page_size)
         return self.length_forecasts[page_size]
 
     def call_seed(self, seed: int) -> int:

@@ -33,7 +33,7 @@ def _survival(forecast: KVForecast, tokens: int, running: np.ndarray) -> float:
 
 
 def test_with_no_length_seen_every_request_is_expected_to_run_to_its_limit():
-    forecast = KVForecast(page_size=8, sigmas=2.0)
+    forecast = KVForecast(page_size=8)
     forecast.start_call(64, 2.0)
     log_survival = forecast.log_survival(np.array([0, 5]))
     assert np.all(log_survival == 0.0)
@@ -51,7 +51,7 @@ def test_lengths_are_learned_from_finished_and_running_responses():
     extrapolation); the finished lengths alone would read every response as shorter than 150."""
     rng = random.Random(0)
     lengths = [int(rng.expovariate(1 / 200)) for _ in range(2000)]
-    forecast = KVForecast(page_size=16, sigmas=2.0)
+    forecast = KVForecast(page_size=16)
     forecast.start_call(1024, 2.0)
     for length in lengths:
         if length < 150:
@@ -65,7 +65,7 @@ def test_lengths_are_learned_from_finished_and_running_responses():
 def test_a_few_finishes_are_read_cautiously():
     """Two responses that ended early do not make every response short: the hazard is scaled to a lower bound of
     its rate, which tightens as finishes accumulate."""
-    few, many = KVForecast(page_size=16, sigmas=2.0), KVForecast(page_size=16, sigmas=2.0)
+    few, many = KVForecast(page_size=16), KVForecast(page_size=16)
     for forecast, count in ((few, 2), (many, 200)):
         forecast.start_call(512, 2.0)
         for _ in range(count):
@@ -77,7 +77,7 @@ def test_a_few_finishes_are_read_cautiously():
 
 
 def test_each_call_weighs_earlier_calls_less_and_widens_the_bins_it_needs():
-    forecast = KVForecast(page_size=16, sigmas=2.0)
+    forecast = KVForecast(page_size=16)
     forecast.start_call(64, 2.0)
     forecast.finished(20)
     forecast.censored(64)
@@ -102,7 +102,7 @@ def _scheduler(num_pages: int = 60, forecast: KVForecast | None = None, **config
 
 
 def _short_responses_seen(count: int = 400, length: int = 8) -> KVForecast:
-    forecast = KVForecast(4, 2.0)
+    forecast = KVForecast(4)
     forecast.start_call(64, 2.0)
     for _ in range(count):
         forecast.finished(length)
@@ -136,7 +136,7 @@ def test_without_a_forecast_admissions_take_whatever_fits_now():
 @pytest.mark.parametrize("sigmas, admitted", [(0.0, 9), (2.0, 4), (4.0, 3)])
 def test_the_margin_sets_how_many_come_in_at_a_middling_length(sigmas, admitted):
     """Responses of about 40 tokens seen before (of 64 allowed): the more deviations, the fewer requests at once."""
-    forecast = KVForecast(4, sigmas)
+    forecast = KVForecast(4)
     forecast.start_call(64, sigmas)
     rng = random.Random(1)
     for _ in range(400):

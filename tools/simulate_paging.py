@@ -137,7 +137,7 @@ def main() -> None:
         for name, config in runs.items():
             results[name].append(simulate(config, lengths, num_pages, args, seed))
             if args.warm and name.startswith("AIMD"):  # the call after one of other responses, as in an RL loop
-                forecast = KVForecast(config.page_size, config.admission_sigmas)
+                forecast = KVForecast(config.page_size)
                 earlier = response_lengths(args, random.Random(seed + 10_000))
                 simulate(config, earlier, num_pages, args, seed + 10_000, forecast)
                 results.setdefault(f"{name}, warm", []).append(

@@ -35,7 +35,8 @@ class KVForecast:
 
     Args:
         page_size: tokens per KV page (bins are whole pages).
-        sigmas: the forecast's margin in standard deviations of the occupancy.
+
+    Each call sets the forecast's margin, `sigmas` standard deviations of the occupancy (`start_call`).
     """
 
     # Weight of earlier calls' lengths at the start of each call.
@@ -47,23 +48,23 @@ class KVForecast:
     # too kept a cold start's first requests near the pool's peak-length count for most of the call.
     RATE_SIGMAS = 1.0
 
-    def __init__(self, page_size: int, sigmas: float | None) -> None:
+    def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self.sigmas = sigmas
+        self.sigmas: float | None = None  # set by each call
         self.bin_tokens = 0  # set by the first call
-        self.prior_exposure = 0.0  # tokens a bin needs before its own hazard outweighs the pooled one (per call)
         self.num_bins = 0
         self.events = np.zeros(0)  # finished responses ending in each bin
         self.finished_exposure = np.zeros(0)  # tokens the finished responses spent in each bin
         self._starts = np.zeros(0, dtype=np.int64)
 
     def start_call(self, max_tokens: int, sigmas: float | None) -> None:
-        """A new call whose responses run to at most `max_tokens`: bins cover them, earlier calls weigh less. The
-        first call sets the bin width: whole pages, about `BINS` of them over its `max_tokens`."""
+        """A new call whose responses run to at most `max_tokens`, admitted with a margin of `sigmas`
+        (`S3RConfig.admission_sigmas`; None: no forecast, the lengths are still learned): bins cover them, earlier
+        calls weigh less. The first call sets the bin width: whole pages, about `BINS` of them over its
+        `max_tokens`."""
         self.sigmas = sigmas
         if not self.bin_tokens:
             self.bin_tokens = self.page_size * max(1, round(max_tokens / (self.BINS * self.page_size)))
-        self.prior_exposure = 8.0 * self.bin_tokens
         self.events *= self.CALL_DECAY
         self.finished_exposure *= self.CALL_DECAY
         bins = max(1, -(-max_tokens // self.bin_tokens))
@@ -73,6 +74,11 @@ class KVForecast:
             self.finished_exposure = np.concatenate([self.finished_exposure, np.zeros(grow)])
             self.num_bins = bins
             self._starts = np.arange(bins, dtype=np.int64) * self.bin_tokens
+
+    @property
+    def prior_exposure(self) -> float:
+        """Tokens of exposure a bin needs before its own hazard outweighs the pooled one."""
+        return 8.0 * self.bin_tokens
 
     def finished(self, length: int) -> None:
         """A response of `length` tokens ended on EOS (one cut at its limit is censored instead)."""

@@ -51,7 +51,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.paused: deque[Request] = deque()
         # The response-length model behind admissions; the runtime's, kept from earlier calls, when given.
-        self.forecast = forecast if forecast is not None else KVForecast(cache.page_size, config.admission_sigmas)
+        self.forecast = forecast if forecast is not None else KVForecast(cache.page_size)
 
     def add(self, requests: list[Request]) -> None:
         for request in requests:
