@@ -10,7 +10,10 @@ few long responses run almost alone), so what it reports is what an RL user wait
   `qwen3-8b`, `qwen3-tiny`) get random-token prompts of `--seq` tokens instead and, having no EOS, run every
   response to `max_new_tokens`; `--acceptance P` forces their acceptance pattern (NOT exact: it times the cost side).
 - sampling: temperature 1 with top-k and top-p off, EOS honoured, `max_new_tokens` from `--preset` or
-  `--max-new-tokens`.
+  `--max-new-tokens`. `--greedy` decodes greedily instead: every exact mode then generates the same responses
+  (on fp32; bf16 may part at near-ties), so their times compare the same work, which sampled calls, whose
+  response lengths differ by chance from mode to mode, do not. Each mode's rows are compared with `ar`'s and the
+  count that match is reported.
 - modes, all on the same batch in one run (`--modes`): `generate` (plain `model.generate`), `ar` (the engine's dense
   decoding, `s3r_mode="ar"`), `s3r-fixed` (`S3RConfig(adaptive=False)`, the paper's fixed k) and `s3r-adaptive`
   (`S3RConfig(adaptive=True)`).
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import sys
 import time
@@ -179,12 +183,16 @@ def call_record(output: Any, seconds: float, prompt_len: int, eos_ids: set[int],
     else:  # no EOS: no row ends early, and a sampled token equal to the pad id is still a token
         lengths = [new_tokens.shape[1]] * new_tokens.shape[0]
     tokens = sum(lengths)
+    # A short digest of each response, so modes that should generate the same responses (greedy) can be compared.
+    digests = [hashlib.blake2b(row[:length].numpy().tobytes(), digest_size=6).hexdigest()
+               for row, length in zip(new_tokens, lengths)]
     record: dict[str, Any] = {
         "seconds": seconds,
         "tokens": tokens,
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "mean_length": tokens / max(len(lengths), 1),
         "max_length": max(lengths, default=0),
+        "response_digests": digests,
     }
     stats = getattr(output, "s3r_stats", None)
     if stats is not None:
@@ -295,10 +303,10 @@ def run_point(
         max_new_tokens = window - int(prompt_tokens.max())
         console.print(f"max_new_tokens lowered to {max_new_tokens} for this point: the longest prompt has "
                       f"{int(prompt_tokens.max())} tokens and the model's context window {window}", highlight=False)
-    common: dict[str, Any] = {
+    sampling = {"do_sample": False} if settings.get("greedy") else {
         "do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
-        "max_new_tokens": max_new_tokens, "return_dict_in_generate": True,
     }
+    common: dict[str, Any] = {**sampling, "max_new_tokens": max_new_tokens, "return_dict_in_generate": True}
     if tokenizer is None:  # random weights: no EOS, every response runs to max_new_tokens
         common.update(pad_token_id=0, eos_token_id=None)
     else:
@@ -309,11 +317,11 @@ def run_point(
         "batch": int(batch["input_ids"].shape[0]), "max_new_tokens": max_new_tokens,
         "prompt_tokens": {"min": int(prompt_tokens.min()), "mean": float(prompt_tokens.float().mean()),
                           "max": int(prompt_tokens.max())},
-        "acceptance_forced": forced, "modes": {},
+        "acceptance_forced": forced, "greedy": bool(settings.get("greedy")), "modes": {},
     }
     console.print(f"\n[bold]{name}[/]  {point['prompts']} prompts x {point['generations']} generations = "
                   f"B {point['batch']}, prompts {point['prompt_tokens']['min']}-{point['prompt_tokens']['max']} "
-                  f"tokens, max_new_tokens {point['max_new_tokens']}"
+                  f"tokens, max_new_tokens {point['max_new_tokens']}" + (", greedy" if point["greedy"] else "")
                   + (f", acceptance forced to {forced} (NOT exact)" if forced is not None else ""), highlight=False)
     for mode in settings["modes"]:
         extra = mode_kwargs(mode, settings["s3r_config"], forced, settings["stages"])
@@ -322,6 +330,7 @@ def run_point(
         if mode == "s3r-adaptive":  # what the rule measured per (rows, context) bucket, over all the calls
             point["modes"][mode]["policy"] = adaptive_policy(model, extra["s3r_config"]).report()
     point["ratios"] = ratios(point["modes"])
+    point["same_responses_as_ar"] = same_responses(point["modes"])
     print_point(point, console)
     return point
 
@@ -341,6 +350,20 @@ def ratios(modes: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
                 if reference[f"{kind}_tokens_per_s"] > 0:
                     ratio = summary[f"{kind}_tokens_per_s"] / reference[f"{kind}_tokens_per_s"]
                     out.setdefault(mode, {})[f"{kind}_vs_{base}"] = ratio
+    return out
+
+
+def same_responses(modes: dict[str, dict[str, Any]]) -> dict[str, list[int]]:
+    """Per mode, `[responses equal to ar's, responses]` over the calls both ran: with `--greedy`, whether two modes'
+    times measured the same work."""
+    reference = modes.get("ar", {}).get("calls", [])
+    out = {}
+    for mode, result in modes.items():
+        if mode == "ar" or not reference:
+            continue
+        pairs = [(a, b) for call, base in zip(result["calls"], reference)
+                 for a, b in zip(call["response_digests"], base["response_digests"])]
+        out[mode] = [sum(a == b for a, b in pairs), len(pairs)]
     return out
 
 
@@ -387,6 +410,9 @@ def print_point(point: dict[str, Any], console: Console) -> None:
                 f"{s['rounds_per_refresh']:.2f}" if s["rounds_per_refresh"] else "-",
             )
     console.print(speed)
+    if point.get("greedy"):
+        console.print("responses equal to ar's: " + ", ".join(
+            f"{mode} {same}/{total}" for mode, (same, total) in point["same_responses_as_ar"].items()), highlight=False)
     if engine.row_count:
         console.print(engine)
         console.print(rows_table(point, title))
@@ -469,6 +495,9 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--calls", type=int, default=3, help="timed calls per mode; the first is cold (%(default)s)")
     group.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of %(default)s")
     group.add_argument("--seed", type=int, default=0, help="call i of every mode samples from seed + i (%(default)s)")
+    group.add_argument("--greedy", action="store_true",
+                       help="decode greedily instead of sampling at T=1: exact modes generate the same responses, so "
+                       "their times compare the same work")
 
 
 def _single(values: str, flag: str, kind: type) -> Any:
@@ -525,7 +554,8 @@ def rollout_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "models": models, "prompts": args.prompts, "generations": args.generations, "max_new_tokens": max_new_tokens,
         "calls": args.calls, "modes": modes, "seqs": seqs, "acceptance": args.acceptance, "s3r_config": config,
-        "stages": args.stages, "seed": args.seed, "problems": problems, "dtype": args.dtype, "device": args.device,
+        "stages": args.stages, "seed": args.seed, "greedy": args.greedy, "problems": problems, "dtype": args.dtype,
+        "device": args.device,
         "prompt_source": args.dataset or args.data or f"s3r_hf/data/{PACKAGED_PROMPTS}",
     }
 

@@ -81,6 +81,36 @@ def test_rollout_of_a_real_model_applies_the_chat_template_and_ends_at_eos(tmp_p
             check_engine_counts(mode, [call], 6, 3)
 
 
+def test_greedy_rollouts_report_that_every_mode_generated_ar_s_responses(tmp_path, capsys):
+    """`--greedy`: the exact modes' responses are the engine AR's, row for row (fp32), and the report says so."""
+    model_dir, data = tmp_path / "model", tmp_path / "problems.jsonl"
+    word_model().save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    data.write_text("\n".join(json.dumps({"question": q}) for q in ["how many eggs ?", "how many books is 3 and 4 ?"]))
+    json_path = tmp_path / "rollout.json"
+    main(["bench", "--rollout", "--greedy", "--model", str(model_dir), "--data", str(data), "--prompts", "2",
+          "--generations", "2", "--max-new-tokens", "20", "--calls", "2", *SMALL, "--json", str(json_path)])
+    (point,) = json.loads(json_path.read_text())["points"]
+    assert point["greedy"]
+    assert point["same_responses_as_ar"] == {mode: [8, 8] for mode in ("generate", "s3r-fixed", "s3r-adaptive")}
+    assert point["modes"]["s3r-fixed"]["summary"]["num_drafts"] > 0  # the drafting path ran
+    # Greedy: the G responses to one prompt are one response.
+    for run in point["modes"].values():
+        for call in run["calls"]:
+            digests = call["response_digests"]
+            assert digests[0] == digests[1] and digests[2] == digests[3]
+    assert "responses equal to ar's: generate 8/8, s3r-fixed 8/8, s3r-adaptive 8/8" in capsys.readouterr().out
+
+
+def test_sampled_responses_differ_between_modes_and_the_comparison_shows_it():
+    """The digest comparison can fail: responses that differ are counted as differing."""
+    from s3r_hf.rollout_bench import same_responses
+
+    calls = lambda *digests: {"calls": [{"response_digests": list(digests)}]}  # noqa: E731
+    assert same_responses({"ar": calls("a", "b", "c"), "s3r-fixed": calls("a", "x", "c")}) == {"s3r-fixed": [2, 3]}
+    assert same_responses({"s3r-fixed": calls("a")}) == {}
+
+
 def test_problems_come_from_json_jsonl_or_the_package(tmp_path):
     packaged = load_problems()
     assert len(packaged) >= 32 and all(isinstance(p, str) and p for p in packaged)

@@ -80,6 +80,11 @@ def main() -> None:
               f"(captures {stats.graph_captures}: {stats.graph_capture_seconds:.2f} s), {stats.steps} steps "
               f"({1e3 * (stats.decode_seconds - stats.graph_capture_seconds) / max(stats.steps, 1):.1f} ms each), "
               f"tau {stats.tau:.2f}")
+        # What a step costs as responses finish: drafting pays where a step is dear, not at the call's mean.
+        print("  by running rows (steps, ms per step, tokens per step): " + "; ".join(
+            f"<={rows}: {entry['steps']}, {1e3 * entry['seconds'] / entry['steps']:.2f}, "
+            f"{entry['tokens'] / entry['steps']:.1f}"
+            for rows, entry in sorted(stats.decode_by_rows.items(), reverse=True) if entry["steps"]))
 
     if args.host:
         torch.manual_seed(args.calls)
