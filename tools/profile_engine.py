@@ -79,8 +79,10 @@ def main() -> None:
     parser.add_argument("--fused-layers", action="store_true")
     parser.add_argument("--python", action="store_true", help="profile host Python (cProfile) instead of kernels")
     parser.add_argument("--prefill", action="store_true", help="profile the prefill (S3R calls of one new token)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="the model's dtype (float32: GRPO's default for small models)")
     args = parser.parse_args()
-    model, tokenizer = build_model(args.model, torch.bfloat16, "cuda")
+    model, tokenizer = build_model(args.model, getattr(torch, args.dtype), "cuda")
     enable(model)
     if tokenizer is not None:
         input_ids = text_prompts(tokenizer, args.batch, args.seq, load_texts(args.data)[0])[0].cuda()
