@@ -88,8 +88,11 @@ def main() -> None:
         input_ids = text_prompts(tokenizer, args.batch, args.seq, load_texts(args.data)[0])[0].cuda()
     else:
         input_ids = random_prompts(model.config.vocab_size, args.batch, args.seq).cuda()
+    # S3R's rounds at the fixed draft length (adaptive off): the adaptive rule may decode densely where drafting does
+    # not pay, and a profile of its dense steps would show AR's kernels again.
     config = S3RConfig(prefill_chunk_size=8192, cuda_graphs=args.cuda_graphs, compile_layers=args.compile_layers,
-                       fused_layers=args.fused_layers, budget_ratio=args.budget, min_budget=args.min_budget)
+                       fused_layers=args.fused_layers, budget_ratio=args.budget, min_budget=args.min_budget,
+                       adaptive=False)
     common = dict(attention_mask=torch.ones_like(input_ids), do_sample=False, pad_token_id=0, eos_token_id=None,
                   s3r_config=config, s3r_timing=True)
     if args.prefill:

@@ -74,10 +74,10 @@ def tune_point(
     kernels = {
         "dense": (lambda splits: triton_backend.paged_dense_attention(
             q1, key_pool, value_pool, tables, cu1, pos1, scale, max_query_len=1, max_context=seq,
-            num_splits=splits)[0], (None, 1, 2, 4, 8), kv_bytes),
+            num_splits=splits)[0], (None, 1, 2, 4, 8, 16), kv_bytes),
         "verify": (lambda splits: triton_backend.paged_dense_attention(
             qv, key_pool, value_pool, tables, cuv, posv, scale, starts, max_query_len=BLOCK, max_context=seq,
-            max_scored_queries=BLOCK, num_splits=splits)[2], (None, 1, 2, 4, 8), kv_bytes),
+            max_scored_queries=BLOCK, num_splits=splits)[2], (None, 1, 2, 4, 8, 16), kv_bytes),
         # The same block without scores: what the score material costs the verify.
         "verify-unscored": (lambda splits: triton_backend.paged_dense_attention(
             qv, key_pool, value_pool, tables, cuv, posv, scale, max_query_len=BLOCK, max_context=seq,
