@@ -50,6 +50,7 @@ BLOCK = 7  # verify queries per request (draft_len 6 + 1)
 def tune_point(
     name: str, batch: int, seq: int, bandwidth: float, generator: torch.Generator, chosen_only: bool = False,
     dtype: torch.dtype = torch.bfloat16, precisions: tuple[str | None, ...] = (None,), auto_splits: bool = False,
+    only: tuple[str, ...] | None = None,
 ) -> dict:
     shape = SHAPES[name]
     key_pool, value_pool, tables, heads, kv_heads, dim = _paged_setup(batch, seq, 16, dtype, generator, shape)
@@ -97,6 +98,8 @@ def tune_point(
                "kernels": {}}
     chosen, chosen_precision = triton_backend.launch_settings, triton_backend._dot_precision
     for kernel, (run, split_options, bytes_read) in kernels.items():
+        if only is not None and kernel not in only:
+            continue
         scored_rows = BLOCK * heads // kv_heads
         stored = kernel == "verify" and triton_backend.stores_logits(scored_rows, dim, key_pool.element_size())
         default = chosen(dim, stores_logits=stored, element_size=key_pool.element_size())
@@ -165,6 +168,7 @@ def main() -> None:
                         help="float32 dot-product precisions to sweep, e.g. ieee,tf32x3 (default: the chosen one)")
     parser.add_argument("--auto-splits", action="store_true",
                         help="time only the key-split count the kernel chooses, not every count")
+    parser.add_argument("--kernels", default=None, help="a subset of dense,verify,verify-unscored,sparse")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_kernels needs a CUDA GPU")
@@ -174,7 +178,8 @@ def main() -> None:
     for name, batch, seq in args.points:
         precisions = tuple(args.precisions.split(",")) if args.precisions else (None,)
         results["points"].append(tune_point(name, batch, seq, bandwidth, generator, args.chosen_only,
-                                            getattr(torch, args.dtype), precisions, args.auto_splits))
+                                            getattr(torch, args.dtype), precisions, args.auto_splits,
+                                            tuple(args.kernels.split(",")) if args.kernels else None))
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as handle:
