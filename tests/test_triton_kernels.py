@@ -125,6 +125,23 @@ def test_key_splits_fill_the_gpu_in_powers_of_two():
     assert triton_backend._num_splits(33 * 8, 16384, 1024, target=stored) == 1  # B=32
 
 
+def test_few_programs_split_keys_down_to_a_few_hundred_per_split():
+    """The engine's floor of keys per split: small grids (a rollout's tail, float32 at 16 rows) split further, while
+    the grids the launch settings were tuned at keep their counts."""
+    floor = triton_backend._MIN_KEYS_PER_SPLIT
+
+    def splits(programs: int, keys: int) -> int:
+        return triton_backend._num_splits(programs, keys, floor)
+
+    assert splits(16 * 3, 3072) == 8  # SmolLM2, B=16: 2 with a floor of a thousand keys
+    assert splits(4 * 3, 4096) == 16  # B=4
+    assert splits(32 * 3, 1024) == 4  # B=32 at 1K: unsplit with a floor of a thousand keys
+    assert splits(4, 200) == 1  # fewer keys than the floor: one split
+    assert splits(64 * 3, 4096) == 2  # SmolLM2 at B=64, as before
+    assert splits(16 * 8, 4096) == 4  # Qwen3-1.7B at B=16, as before
+    assert splits(64 * 8, 8192) == 2  # Qwen3-1.7B at B=64, as before
+
+
 def test_score_source_is_the_one_that_moves_fewer_bytes():
     assert not triton_backend.stores_logits(7 * 3, 64, 2)  # SmolLM2: 168 B stored and reread vs 128 B of K
     assert triton_backend.stores_logits(7 * 2, 128, 2)  # Qwen3-1.7B: 112 B vs 256 B

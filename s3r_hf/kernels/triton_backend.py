@@ -202,9 +202,11 @@ def _key_tile(head_dim: int, element_size: int = 2) -> int:
 
 # Enough programs to fill the GPU several times over (132 SMs on an H100/H200).
 _TARGET_PROGRAMS = 528
-# Each split's program streams at least this many keys: with the one-launch merge, splitting pays at rollout
-# batch sizes (a few hundred programs for 132 SMs) down to about a thousand keys per split.
-_MIN_KEYS_PER_SPLIT = 1024
+# Each split's program streams at least this many keys. With few programs (a rollout's tail, small batches, float32)
+# splitting down to a few hundred keys per split pays: the grid, not the key loop, limits those launches. Where the
+# grid already fills the GPU the program target, not this floor, sets the count (docs/benchmarks.md, "Kernel launch
+# settings").
+_MIN_KEYS_PER_SPLIT = 256
 
 
 # A dense kernel that also stores the verify logits does more per program and fills the GPU with fewer programs:
