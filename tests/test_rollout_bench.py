@@ -55,7 +55,13 @@ def test_rollout_runs_every_mode_on_a_random_shape(tmp_path, capsys):
             assert list(by_rows)[0] == "4" and set(by_rows) <= {"4", "2", "1"}
             assert sum(bucket["tokens"] for bucket in by_rows.values()) == 4 * 10 - 4
     assert point["modes"]["s3r-fixed"]["summary"]["num_drafts"] > 0
-    assert set(point["ratios"]["s3r-adaptive"]) == {"warm_vs_ar", "cold_vs_ar", "warm_vs_generate", "cold_vs_generate"}
+    assert set(point["ratios"]["s3r-adaptive"]) == {
+        "warm_vs_ar", "cold_vs_ar", "warm_time_vs_ar", "warm_vs_generate", "cold_vs_generate"}
+    # Random shapes run every response to max_new_tokens: both ratios compare the same tokens.
+    adaptive, ar = point["modes"]["s3r-adaptive"]["summary"], point["modes"]["ar"]["summary"]
+    ratios = point["ratios"]["s3r-adaptive"]
+    assert ratios["warm_time_vs_ar"] == pytest.approx(ar["warm_seconds_per_call"] / adaptive["warm_seconds_per_call"])
+    assert ratios["warm_time_vs_ar"] == pytest.approx(ratios["warm_vs_ar"])
     assert plot_path.stat().st_size > 0
     printed = capsys.readouterr().out
     assert "speed" in printed and "decoding by running rows" in printed
