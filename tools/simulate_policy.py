@@ -75,9 +75,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--calls", type=int, default=6)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--switch-margin", type=float, default=None,
+                        help="AdaptiveDraftLength.switch_margin (default: the rule's own)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     policy = adaptive_for(args.draft_len)
+    if args.switch_margin is not None:
+        policy.switch_margin = args.switch_margin
     for call in range(args.calls):
         lengths = [args.max_new_tokens if rng.random() < 0.2 else rng.randint(100, args.max_new_tokens - 200)
                    for _ in range(args.batch)]
