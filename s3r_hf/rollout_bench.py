@@ -489,11 +489,11 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     """Add `--rollout` and its own flags to the `bench` parser."""
     group = parser.add_argument_group(
         "rollout (--rollout)",
-        "The RL rollout workload: G sampled responses (T=1, no top-k/top-p, EOS honoured) to each prompt, every "
-        "generate call timed whole, for each mode. Shared flags: --model, --max-new-tokens, --draft-len, --budget and "
-        "--refresh-interval (one value each), --min-budget, --prefill-chunk, --acceptance (random shapes), --seq "
-        "(random shapes' prompt length), --data, --dataset, --split, --dtype, --device, --cuda-graphs, "
-        "--compile-layers, --fused-layers, --stages, --skip-generate, --json, --plot.",
+        "The RL rollout workload: G sampled responses (T=1, no top-k/top-p, EOS honoured; --greedy: greedy) to each "
+        "prompt, every generate call timed whole, for each mode. Shared flags: --model, --max-new-tokens, "
+        "--draft-len, --budget and --refresh-interval (one value each), --min-budget, --prefill-chunk, --acceptance "
+        "(random shapes), --seq (random shapes' prompt length), --data, --dataset, --split, --dtype, --device, "
+        "--cuda-graphs, --compile-layers, --fused-layers, --stages, --skip-generate, --json, --plot.",
     )
     group.add_argument("--rollout", action="store_true", help="run the rollout benchmark instead of the decode grid")
     group.add_argument("--prompts", type=int, default=8, help="distinct prompts per batch (%(default)s)")
