@@ -67,11 +67,17 @@ def test_rollout_runs_every_mode_on_a_random_shape(tmp_path, capsys):
     assert "speed" in printed and "decoding by running rows" in printed
 
 
-def test_rollout_of_a_real_model_applies_the_chat_template_and_ends_at_eos(tmp_path):
+def saved_word_model(tmp_path) -> tuple:
+    """The word-level model and its tokenizer saved as a checkpoint, and two questions as a JSONL prompt file."""
     model_dir, data = tmp_path / "model", tmp_path / "problems.jsonl"
     word_model().save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
     data.write_text("\n".join(json.dumps({"question": q}) for q in ["how many eggs ?", "how many books is 3 and 4 ?"]))
+    return model_dir, data
+
+
+def test_rollout_of_a_real_model_applies_the_chat_template_and_ends_at_eos(tmp_path):
+    model_dir, data = saved_word_model(tmp_path)
     json_path = tmp_path / "rollout.json"
     main(["bench", "--rollout", "--model", str(model_dir), "--data", str(data), "--prompts", "3", "--generations",
           "2", "--max-new-tokens", "24", "--calls", "1", "--modes", "generate,ar,s3r-fixed", *SMALL,
@@ -89,10 +95,7 @@ def test_rollout_of_a_real_model_applies_the_chat_template_and_ends_at_eos(tmp_p
 
 def test_greedy_rollouts_report_that_every_mode_generated_ar_s_responses(tmp_path, capsys):
     """`--greedy`: the exact modes' responses are the engine AR's, row for row (fp32), and the report says so."""
-    model_dir, data = tmp_path / "model", tmp_path / "problems.jsonl"
-    word_model().save_pretrained(model_dir)
-    tiny_tokenizer().save_pretrained(model_dir)
-    data.write_text("\n".join(json.dumps({"question": q}) for q in ["how many eggs ?", "how many books is 3 and 4 ?"]))
+    model_dir, data = saved_word_model(tmp_path)
     json_path = tmp_path / "rollout.json"
     main(["bench", "--rollout", "--greedy", "--model", str(model_dir), "--data", str(data), "--prompts", "2",
           "--generations", "2", "--max-new-tokens", "20", "--calls", "2", *SMALL, "--json", str(json_path)])
