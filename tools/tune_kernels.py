@@ -1,12 +1,13 @@
 """Time launch settings of the Triton attention kernels at the benchmark shapes (GPU only).
 
     python tools/tune_kernels.py [--json PATH] [--chosen-only] [--points shape:B:S,...] [--dtype float32]
-        [--precisions ieee,tf32x3] [--auto-splits]
+        [--precisions ieee,tf32x3] [--auto-splits] [--kernels dense,verify,...] [--min-budget 192]
 
 For the SmolLM2-135M shape (9 query heads, 3 KV heads, head dim 64) at B=64, S=4K and 7.7K, and the
 Qwen3-1.7B shape (16/8 heads, head dim 128) at B=64, S=8K (or the `--points` given), it times one layer of dense
 decode, the scored verify block (7 queries per request, the score reduction included), the same block unscored,
-and sparse decode over a 5% index view, for every combination of key splits and launch settings
+and sparse decode over a 5% index view (at least `--min-budget` keys, as `S3RConfig.min_budget` sizes the engine's
+views; 0 by default), for every combination of key splits and launch settings
 (`triton_backend.launch_settings` chooses one; `--chosen-only` times just that one), each replayed from a CUDA
 graph as the engine runs it. Each variant's output is compared with the chosen setting's, so a setting that
 changes results shows up. The floor is the K/V bytes the kernel must read at the measured copy bandwidth.
@@ -50,13 +51,13 @@ BLOCK = 7  # verify queries per request (draft_len 6 + 1)
 def tune_point(
     name: str, batch: int, seq: int, bandwidth: float, generator: torch.Generator, chosen_only: bool = False,
     dtype: torch.dtype = torch.bfloat16, precisions: tuple[str | None, ...] = (None,), auto_splits: bool = False,
-    only: tuple[str, ...] | None = None,
+    only: tuple[str, ...] | None = None, min_budget: int = 0,
 ) -> dict:
     shape = SHAPES[name]
     key_pool, value_pool, tables, heads, kv_heads, dim = _paged_setup(batch, seq, 16, dtype, generator, shape)
     scale = dim**-0.5
     kv_bytes = 2 * batch * seq * kv_heads * dim * key_pool.element_size()
-    budget = math.ceil(0.05 * seq)
+    budget = min(seq - BLOCK, max(min_budget, math.ceil(0.05 * seq)))
     q1 = torch.randn(batch, heads, dim, device="cuda", dtype=dtype, generator=generator)
     cu1 = torch.arange(batch + 1, device="cuda")
     pos1 = torch.full((batch,), seq - 1, device="cuda")
@@ -85,7 +86,7 @@ def tune_point(
             num_splits=splits)[0], (None, 1, 2, 4, 8), kv_bytes),
         "sparse": (lambda splits: triton_backend.paged_sparse_attention(
             q1, key_pool, value_pool, tables, view, lens, tails, pos_s, scale, max_keys=budget + 3,
-            num_splits=splits)[0], (None, 1, 2, 4), kv_bytes * budget / seq),
+            num_splits=splits)[0], (None, 1, 2, 4, 8), kv_bytes * budget / seq),
     }
     pools = (key_pool, value_pool, tables)
     references = {
@@ -95,7 +96,7 @@ def tune_point(
         "sparse": lambda: reference.paged_sparse_attention(q1, *pools, view, lens, tails, pos_s, scale)[0],
     }
     results = {"model": name, "batch": batch, "seq": seq, "dtype": str(dtype), "floor_ms": kv_bytes / bandwidth * 1e3,
-               "kernels": {}}
+               "sparse_view_keys": budget, "kernels": {}}
     chosen, chosen_precision = triton_backend.launch_settings, triton_backend._dot_precision
     for kernel, (run, split_options, bytes_read) in kernels.items():
         if only is not None and kernel not in only:
@@ -107,6 +108,8 @@ def tune_point(
         expected = references[kernel]().float()
         rows = []
         launches = [default] + ([] if chosen_only else [v for v in LAUNCHES if v != default])
+        if kernel == "sparse" and not chosen_only:  # V's tile loaded with K's, before the scores need it
+            launches += [{**launch, "LOAD_V_EARLY": True} for launch in launches]
         splits_tried = (None,) if auto_splits else split_options
         for precision, launch, splits in itertools.product(precisions, launches, splits_tried):
             triton_backend.launch_settings = lambda head_dim, stores_logits=False, element_size=2, launch=launch: launch
@@ -128,7 +131,8 @@ def tune_point(
         best = rows[0]
         # `splits` None: the count the kernel chooses for this grid, as the engine's graphs run it.
         precision_now = chosen_precision(dtype)
-        mine = [r for r in rows if r.items() >= default.items() and r["precision"] == precision_now]
+        mine = [r for r in rows if r.items() >= default.items() and not r.get("LOAD_V_EARLY")
+                and r["precision"] == precision_now]
         chosen_row = next((r for r in mine if r["splits"] is None), None)
         unsplit = next((r for r in mine if r["splits"] == 1), None)
         print(f"{name} B={batch} S={seq} {dtype} {kernel:>6}: floor {bytes_read / bandwidth * 1e3:.3f} ms, chosen "
@@ -169,6 +173,8 @@ def main() -> None:
     parser.add_argument("--auto-splits", action="store_true",
                         help="time only the key-split count the kernel chooses, not every count")
     parser.add_argument("--kernels", default=None, help="a subset of dense,verify,verify-unscored,sparse")
+    parser.add_argument("--min-budget", type=int, default=0,
+                        help="sparse decode reads at least this many view keys (the engine's default is 192)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_kernels needs a CUDA GPU")
@@ -179,7 +185,8 @@ def main() -> None:
         precisions = tuple(args.precisions.split(",")) if args.precisions else (None,)
         results["points"].append(tune_point(name, batch, seq, bandwidth, generator, args.chosen_only,
                                             getattr(torch, args.dtype), precisions, args.auto_splits,
-                                            tuple(args.kernels.split(",")) if args.kernels else None))
+                                            tuple(args.kernels.split(",")) if args.kernels else None,
+                                            args.min_budget))
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as handle:
