@@ -11,6 +11,10 @@ import torch
 
 from s3r_hf.draft_policy import MAX_ADAPTIVE_REFRESH_INTERVAL
 
+MAX_DRAFT_LEN = 64
+"""The largest `S3RConfig.draft_len`: verify blocks of up to 65 queries, which the attention kernels tile as
+decode-shaped segments (`kernels/triton_backend.PREFILL_QUERIES`)."""
+
 
 @dataclass
 class S3RConfig:
@@ -156,7 +160,7 @@ class S3RConfig:
 
     def validate(self) -> None:
         """Raise `ValueError` naming the first field outside its allowed range."""
-        _check_int(self, "draft_len", low=1, high=64)
+        _check_int(self, "draft_len", low=1, high=MAX_DRAFT_LEN)
         _check_float(self, "budget_ratio", low=0.0, high=1.0, low_open=True)
         _check_int(self, "min_budget", low=1)
         if self.refresh_interval is not None:

@@ -112,6 +112,23 @@ def test_scores_of_more_rows_than_one_score_tile():
     torch.testing.assert_close(triton_backend.paged_dense_attention(*args)[2], expected, **TOL)
 
 
+def test_prompt_chunks_of_any_length_share_one_tiling_that_no_verify_block_takes():
+    """Every segment longer than the longest verify block is tiled as a prefill chunk, so prompt batches of different
+    lengths (GRPO steps) launch one compiled variant of the dense kernel, not one per length class."""
+    from s3r_hf.config import MAX_DRAFT_LEN
+
+    longest_verify_block = MAX_DRAFT_LEN + 1
+    assert triton_backend.PREFILL_QUERIES == longest_verify_block + 1
+    for element_size, stores in ((2, True), (4, True), (2, False)):
+        tilings = {
+            str(triton_backend.query_tiling(length, 3, 64, stores, element_size))
+            for length in range(triton_backend.PREFILL_QUERIES, 1024, 7)
+        }
+        assert len(tilings) == 1
+        decode_shaped = triton_backend.query_tiling(longest_verify_block, 3, 64, stores, element_size)
+        assert str(decode_shaped) not in tilings
+
+
 def test_key_splits_fill_the_gpu_in_powers_of_two():
     assert triton_backend._num_splits(192, 4096, 1024) == 2  # SmolLM2 at B=64: 528 / 192 rounds up to 3, then down
     assert triton_backend._num_splits(512, 8192, 1024) == 2  # Qwen3-1.7B at B=64

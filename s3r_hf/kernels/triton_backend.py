@@ -172,9 +172,12 @@ def launch_settings(head_dim: int, stores_logits: bool = False, element_size: in
     return {"BLOCK_N": _key_tile(head_dim, element_size), "num_warps": 4, "num_stages": stages}
 
 
-PREFILL_QUERIES = 256
+PREFILL_QUERIES = 66
 """Segments at least this long (prefill chunks) are tiled for arithmetic throughput: many queries share each K/V
-tile, where a decode step or a verify block has a handful and streams its keys."""
+tile, where a decode step or a verify block has a handful and streams its keys. It is one more than the longest
+verify block (`S3RConfig.draft_len` is at most 64), so every prompt chunk longer than that takes the same tiling
+and the same compiled kernel variant: with a threshold inside the range of prompt lengths, a later GRPO step whose
+prompts were all shorter built a variant of its own (about a second, docs/benchmarks.md)."""
 
 PREFILL_TILING = {"ROWS": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 """(query, GQA head) rows per program and the launch settings of prefill-length segments: of 24 tilings timed on
