@@ -111,8 +111,6 @@ def tune_point(
         expected = references[kernel]().float()
         rows = []
         launches = [default] + ([] if chosen_only else [v for v in LAUNCHES if v != default])
-        if kernel == "sparse" and not chosen_only:  # V's tile loaded with K's, before the scores need it
-            launches += [{**launch, "LOAD_V_EARLY": True} for launch in launches]
         splits_tried = (None,) if auto_splits else split_options
         for precision, launch, splits in itertools.product(precisions, launches, splits_tried):
             triton_backend.launch_settings = lambda head_dim, stores_logits=False, element_size=2, launch=launch: launch
@@ -134,8 +132,7 @@ def tune_point(
         best = rows[0]
         # `splits` None: the count the kernel chooses for this grid, as the engine's graphs run it.
         precision_now = chosen_precision(dtype)
-        mine = [r for r in rows if r.items() >= default.items() and not r.get("LOAD_V_EARLY")
-                and r["precision"] == precision_now]
+        mine = [r for r in rows if r.items() >= default.items() and r["precision"] == precision_now]
         chosen_row = next((r for r in mine if r["splits"] is None), None)
         unsplit = next((r for r in mine if r["splits"] == 1), None)
         print(f"{name} B={batch} S={seq} {dtype} {kernel:>6}: floor {bytes_read / bandwidth * 1e3:.3f} ms, chosen "

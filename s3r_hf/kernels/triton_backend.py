@@ -52,7 +52,7 @@ def _sparse_decode_kernel(
     stride_ls, stride_ln,
     scale, keys_per_split,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, LOAD_V_EARLY: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     query = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -87,16 +87,13 @@ def _sparse_decode_kernel(
         row_base = page * stride_kp + (key_pos % PAGE_SIZE) * stride_ko + kv_head * stride_kh
         kv_mask = valid[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + row_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if LOAD_V_EARLY:
-            v = tl.load(v_ptr + row_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if not LOAD_V_EARLY:
-            v = tl.load(v_ptr + row_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + row_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     # Partial result of this split (an empty split stores lse = -inf and zeros); `merge_splits` combines.
