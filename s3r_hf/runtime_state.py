@@ -77,7 +77,7 @@ class ModelRuntime:
         self.length_forecasts: dict[int, KVForecast] = {}  # by page size
         self._pages_wanted = 0  # the page count the pool was sized for (before a cap by free memory)
         self._fingerprint: tuple | None = None
-        self._graphs_compiled = False  # whether the graphs were captured with compiled layers
+        self._graphs_layers: tuple | None = None  # the layers' implementation the graphs were captured with
 
     # ---------------------------------------------------------------- the model
     def check_model(self, model: PreTrainedModel) -> None:
@@ -167,8 +167,9 @@ class ModelRuntime:
 
     # ---------------------------------------------------------------- graphs and fused weights
     def graphs_for(self, max_pages: int, config: S3RConfig) -> DecodeGraphs:
-        """The kept CUDA graphs if they cover `max_pages` pages per request for `config` (draft length, budget,
-        compiled layers or not); otherwise new ones, the old ones dropped.
+        """The kept CUDA graphs if they cover `max_pages` pages per request for `config` (draft length, budget, and
+        the layers' implementation: compiled, fused, the draft passes' matmul precision, which a graph records);
+        otherwise new ones, the old ones dropped.
 
         New graphs are sized `GRAPH_HEADROOM` times past `max_pages`, and for at least `GRAPH_MIN_TOKENS` tokens: the
         next RL step's longest prompt is longer or shorter, and a graph replays any request that fits its block
@@ -181,7 +182,7 @@ class ModelRuntime:
             or graphs.draft_len != config.draft_len
             or graphs.max_pages < max_pages
             or graphs.max_candidates != config.budget(graphs.max_pages * page_size)
-            or self._graphs_compiled != config.compile_layers
+            or self._graphs_layers != _layers_of(config)
         ):
             if graphs is not None:
                 logger.info("the kept CUDA graphs (%d pages per request, draft length %d) do not serve a call of %d "
@@ -191,7 +192,7 @@ class ModelRuntime:
             pages = max(math.ceil(max_pages * GRAPH_HEADROOM), -(-GRAPH_MIN_TOKENS // page_size))
             budget = config.budget(pages * page_size)
             graphs = self.graphs = DecodeGraphs(self.cache, self.forward, pages, config.draft_len, budget)
-            self._graphs_compiled = config.compile_layers
+            self._graphs_layers = _layers_of(config)
         return graphs
 
     def fused_projections(self, make) -> FusedProjections:
@@ -209,6 +210,11 @@ class ModelRuntime:
         if self.fused is not None:
             total += self.fused.nbytes
         return total
+
+
+def _layers_of(config: S3RConfig) -> tuple:
+    """What a captured graph fixes about the decoder layers it replays."""
+    return config.compile_layers, config.fused_layers, config.draft_matmul_precision
 
 
 def process_rank() -> int:

@@ -3,6 +3,7 @@ rebuilt when they move, freed on release, and never keeping the model alive."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import weakref
@@ -214,6 +215,25 @@ def test_a_longer_single_request_does_not_reuse_a_pool_it_cannot_fit():
     assert runtime_for(model).cache is not pool
     assert torch.equal(out, _greedy(model, input_ids, attention_mask, max_new_tokens=36))
     s3r_hf.release(model)
+
+
+def test_graphs_are_captured_again_when_the_layers_they_replay_change():
+    """A graph records the layers' kernels: a call with other compiled / fused layers or another draft matmul
+    precision than the kept graphs were captured with gets new graphs rather than replaying the old layers."""
+    model = tiny_model("qwen3", seed=62)
+    runtime = ModelRuntime()
+    cache = S3RCache(model.config, num_pages=64, page_size=4, max_requests=4)
+    runtime.adopt_cache(cache, model, 64)
+    config = _config()
+    kept = runtime.graphs_for(10, config)
+    assert runtime.graphs_for(10, _config()) is kept
+    for change in ({"compile_layers": True}, {"fused_layers": True}, {"draft_matmul_precision": "high"}):
+        changed = dataclasses.replace(config, **change)
+        graphs = runtime.graphs_for(10, changed)
+        assert graphs is not kept
+        assert runtime.graphs_for(10, changed) is graphs
+        kept = runtime.graphs_for(10, config)
+        assert kept is not graphs
 
 
 def test_graphs_serve_later_steps_with_prompts_several_times_longer():
