@@ -387,10 +387,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-layers", action="store_true",
                         help="torch.compile the decoder layers (S3RConfig.compile_layers); with --cuda-graphs the "
                         "compilation falls in prefill and graph captures, which are not timed")
-    parser.add_argument("--fused-layers", action=argparse.BooleanOptionalAction, default=None,
-                        help="run decode-shaped forwards through the fused decoder-layer kernels, or not "
-                        "(S3RConfig.fused_layers; Llama-family models with a head dimension of 32 or more; by "
-                        "default on for float32 models on CUDA)"),
+    parser.add_argument("--fused-layers", action="store_true",
+                        help="run decode-shaped forwards through the fused decoder-layer kernels "
+                        "(S3RConfig.fused_layers; Llama-family models with a head dimension of 32 or more)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the short untimed AR and S3R calls that compile and autotune before each point")
     parser.add_argument("--stages", action="store_true",

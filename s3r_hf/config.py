@@ -93,18 +93,16 @@ class S3RConfig:
             Q/K/V and gate/up each run as one GEMM over concatenated weight copies, refilled from the model's
             weights on every call (SmolLM2-135M: 139 MB, Qwen3-1.7B: 1.9 GB in bf16). The first call pays the
             compilation; with `cuda_graphs` the fused kernels are what the graphs replay.
-        fused_layers (`bool` or `None`, defaults to `None`):
+        fused_layers (`bool`, defaults to `False`):
             Run each decoder layer of decode-shaped engine forwards (draft passes, dense steps, verify blocks) as
             five Triton kernels around the attention: norm + Q/K/V GEMM + rotary, the K/V write, O GEMM + residual,
             norm + gate/up GEMM + SiLU·mul, down GEMM + residual (`s3r_hf.fused_layers`). Llama-family layers
             (Llama, Qwen2, Qwen3, Mistral, SmolLM) with plain linears and a head dimension that is a power of two
-            of at least 32. The kernels read the model's own weights: nothing is copied. Prefill chunks run the
-            layers' own forward (compiled with `compile_layers`). In float32, where cuBLAS runs a few rows' GEMMs on
-            SIMT cores and these kernels use tensor cores (three TF32 products per product, float32's accuracy),
-            they are faster; in bfloat16 on an H200 only at a few rows (a rollout's tail), and slower than the
-            compiled layers at 64 and more (`docs/benchmarks.md`). `None` turns them on for float32 models on CUDA
-            whose layers fit and leaves them off otherwise; `True` turns them on and refuses models whose layers
-            do not fit; `False` turns them off.
+            of at least 32; other models are refused. The kernels read the model's own weights: nothing is copied.
+            Prefill chunks run the layers' own forward (compiled with `compile_layers`). On an H200 in bfloat16 it
+            is faster than the compiled layers only at a few rows (a rollout's tail) and slower at 64 and more; in
+            float32, where cuBLAS runs a few rows' GEMMs on SIMT cores and these kernels use tensor cores (three
+            TF32 products per product, float32's accuracy), it is faster (`docs/benchmarks.md`).
         draft_matmul_precision (`str`, defaults to `"highest"`):
             For float32 models on CUDA, the precision of the draft passes' matmuls, as in
             `torch.set_float32_matmul_precision`: `"high"` runs them on TF32 tensor cores. A draft is only a
@@ -151,7 +149,7 @@ class S3RConfig:
     admission_sigmas: float | None = 2.0
     cuda_graphs: bool = False
     compile_layers: bool = False
-    fused_layers: bool | None = None
+    fused_layers: bool = False
     draft_matmul_precision: str = "highest"
     keep_state: bool = True
     return_logprobs: bool = False
@@ -181,16 +179,11 @@ class S3RConfig:
         _check_int(self, "restore_backlog_threshold", low=0)
         if self.admission_sigmas is not None:
             _check_float(self, "admission_sigmas", low=0.0, high=10.0)
-        flags = ("adaptive", "mixed_steps", "share_prompts", "cuda_graphs", "compile_layers", "keep_state",
-                 "return_logprobs")
+        flags = ("adaptive", "mixed_steps", "share_prompts", "cuda_graphs", "compile_layers", "fused_layers",
+                 "keep_state", "return_logprobs")
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"S3RConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.fused_layers is not None and not isinstance(self.fused_layers, bool):
-            raise ValueError(
-                "S3RConfig.fused_layers must be a bool or None (on for float32 models on CUDA whose layers fit), "
-                f"got {self.fused_layers!r}"
-            )
         if self.draft_matmul_precision not in ("highest", "high"):
             raise ValueError(
                 f'S3RConfig.draft_matmul_precision must be "highest" or "high", got {self.draft_matmul_precision!r}'

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -28,7 +28,6 @@ from transformers import PreTrainedModel
 
 from s3r_hf.attention import s3r_attention_forward
 from s3r_hf.compiled_layers import decoder_layers, replaced_forwards
-from s3r_hf.config import S3RConfig
 from s3r_hf.fused_projections import FusedLinearSlice
 from s3r_hf.kernels import get_layer_backend
 from s3r_hf.model_session import owns
@@ -111,21 +110,6 @@ def check_fusable(model: PreTrainedModel) -> None:
     """Raise `UnsupportedModelError` unless every decoder layer of `model` can run fused."""
     for layer in decoder_layers(model):
         layer_parts(layer)
-
-
-def resolve_fused_layers(model: PreTrainedModel, config: S3RConfig) -> S3RConfig:
-    """`config` with `fused_layers` decided for `model` where it is `None`: on for a float32 model on CUDA whose
-    layers fit, where the fused kernels beat cuBLAS's float32 GEMMs at decode sizes (docs/benchmarks.md), off
-    otherwise."""
-    if config.fused_layers is not None:
-        return config
-    wanted = model.device.type == "cuda" and model.dtype == torch.float32
-    if wanted:
-        try:
-            check_fusable(model)
-        except UnsupportedModelError:
-            wanted = False
-    return replace(config, fused_layers=wanted)
 
 
 def fused_forward(parts: LayerParts, ops: ModuleType, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:

@@ -243,23 +243,8 @@ def test_unfusable_models_are_refused_with_the_reason():
     with pytest.raises(UnsupportedModelError, match="head_dim 16"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, s3r_config=S3RConfig(fused_layers=True))
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
-    with pytest.raises(ValueError, match="fused_layers must be a bool or None"):
+    with pytest.raises(ValueError, match="fused_layers must be a bool"):
         S3RConfig(fused_layers="yes")
-
-
-@pytest.mark.parametrize("on_cuda", [False, True])
-def test_fused_layers_by_default_only_for_float32_models_on_cuda_whose_layers_fit(on_cuda, monkeypatch):
-    """`fused_layers=None` (the default) turns the layers on where they are faster, float32 on CUDA, and leaves them
-    off elsewhere without refusing anything; `True` and `False` stay as given."""
-    resolve = fused_layers.resolve_fused_layers
-    fits = tiny_model("llama", **FUSABLE)
-    if on_cuda:  # the decision reads `model.device`; no layer runs here
-        monkeypatch.setattr(type(fits), "device", property(lambda self: torch.device("cuda")))
-    assert resolve(fits, S3RConfig()).fused_layers is on_cuda
-    assert resolve(fits.to(torch.bfloat16), S3RConfig()).fused_layers is False
-    assert resolve(tiny_model("llama"), S3RConfig()).fused_layers is False  # head_dim 16: left off, not refused
-    for explicit in (True, False):
-        assert resolve(fits, S3RConfig(fused_layers=explicit)).fused_layers is explicit
 
 
 # ---------------------------------------------------------------------------------------------- G-test

@@ -76,8 +76,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--compile-layers", action="store_true")
-    parser.add_argument("--fused-layers", action=argparse.BooleanOptionalAction, default=None,
-                        help="S3RConfig.fused_layers (by default on for float32 models on CUDA)")
+    parser.add_argument("--fused-layers", action="store_true")
     parser.add_argument("--python", action="store_true", help="profile host Python (cProfile) instead of kernels")
     parser.add_argument("--prefill", action="store_true", help="profile the prefill (S3R calls of one new token)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],

@@ -26,7 +26,7 @@ from s3r_hf.engine.round_timing import RoundTimer
 from s3r_hf.engine.sampling_setup import SamplingSetup
 from s3r_hf.engine.scheduler import Scheduler
 from s3r_hf.engine.view_updates import IndexViewUpdates
-from s3r_hf.fused_layers import fused_decoder_layers, resolve_fused_layers
+from s3r_hf.fused_layers import fused_decoder_layers
 from s3r_hf.kernels import triton_variants
 from s3r_hf.request import Request
 from s3r_hf.runtime_state import ModelRuntime
@@ -79,7 +79,7 @@ class S3REngine:
         if forced_acceptance is not None and not 0.0 <= forced_acceptance <= 1.0:
             raise ValueError(f"forced_acceptance must be in [0, 1], got {forced_acceptance}")
         self.model = model
-        self.config = config = resolve_fused_layers(model, config)
+        self.config = config
         self.sampling = sampling
         self.cache = cache
         self.mode = mode
