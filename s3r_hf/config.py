@@ -202,6 +202,11 @@ class S3RConfig:
         """Index-view size `K = min(|C|, max(min_budget, ceil(budget_ratio * |C|)))` for a context of `|C|`."""
         return min(context_len, max(self.min_budget, math.ceil(self.budget_ratio * context_len)))
 
+    def whole_view(self, context_len: int) -> bool:
+        """Whether an index view at `context_len` holds the whole context (the budget is the context, as up to
+        `min_budget` tokens): such a view is every position, and no scores are needed to build it."""
+        return self.budget(context_len) >= context_len
+
     def budgets(self, context_lens: torch.Tensor) -> torch.Tensor:
         """`budget` of every context length in a tensor, computed where the tensor lives (so the index views of
         the next round can be sized before the host knows the new lengths)."""

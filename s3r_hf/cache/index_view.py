@@ -115,9 +115,11 @@ class SparseIndexViews:
                        columns[:, None, :]] = values[None, :, None, :].expand(shape)
         self.lengths[slots] = (lengths + context_lens - old_context_lens).to(torch.int32)
 
-    def set_full(self, slots: torch.Tensor, context_lens: torch.Tensor) -> None:
-        """Views covering the whole context (used when the budget is the whole context)."""
-        width = int(context_lens.max()) if context_lens.numel() else 0
+    def set_full(self, slots: torch.Tensor, context_lens: torch.Tensor, width: int | None = None) -> None:
+        """Views covering the whole context (where the budget is the whole context); `width` is the longest context
+        when the caller knows it on the host (saves a device read-back)."""
+        if width is None:
+            width = int(context_lens.max()) if context_lens.numel() else 0
         self.ensure_capacity(width)
         positions = torch.arange(width, device=self.device, dtype=torch.int32)
         self.positions[:, slots.long(), :, :width] = positions

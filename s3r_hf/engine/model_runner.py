@@ -168,7 +168,7 @@ class ModelRunner:
             cu_seqlens=self.int32(chunks.cu_seqlens),
             positions=self.int32(chunks.positions),
             block_tables=self.cache.block_tables(chunks.slots),
-            score_starts=self.int32(chunks.score_starts),
+            score_starts=self.int32(chunks.score_starts) if chunks.scored else None,
             history_lens=self.tensor(chunks.history_lens),
             num_candidates=chunks.num_candidates,
             max_query_len=chunks.max_query_len,

@@ -40,7 +40,9 @@ class PromptChunk:
 class PromptChunks:
     """Chunks of `prefill_chunk_size` prompt tokens at most, in request order, and the followers of whole-prompt
     chunks (`followers`: each request with its leader's chunk index). A final chunk's last `draft_len + 1` queries
-    are scored: their top-K builds the prompt's first index views (a prompt copied from a donor has one query)."""
+    are scored: their top-K builds the prompt's first index views (a prompt copied from a donor has one query). A prompt
+whose view holds all of it (`S3RConfig.whole_view`, up to `min_budget` tokens) is not scored: its view is every
+position, whatever the scores."""
 
     def __init__(
         self,
@@ -61,7 +63,11 @@ class PromptChunks:
         self.cu_seqlens = [0]
         for length in lengths:
             self.cu_seqlens.append(self.cu_seqlens[-1] + length)
-        self.score_starts = [max(0, length - block) if c.final else -1 for c, length in zip(chunks, lengths)]
+        self.score_starts = [
+            max(0, length - block) if c.final and not config.whole_view(c.request.prompt_len) else -1
+            for c, length in zip(chunks, lengths)
+        ]
+        self.scored = any(first >= 0 for first in self.score_starts)
         self.history_lens = [c.start + first if first >= 0 else 0 for c, first in zip(chunks, self.score_starts)]
         self.slots = [c.request.slot for c in chunks]
         self.num_candidates = max(config.budget(c.request.prompt_len) for c in chunks)

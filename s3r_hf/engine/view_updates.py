@@ -21,14 +21,24 @@ class IndexViewUpdates:
         self.runner = runner
 
     def refresh(self, plan: StepPlan, segments: list[int], requests: list[Request], contexts: list[int]) -> None:
-        """New index views from the scores the dense forward recorded, for requests whose committed lengths after
-        the refresh are `contexts` (host ints); sets their `view_len`."""
+        """New index views for requests whose committed lengths after the refresh are `contexts` (host ints), from
+        the scores the dense forward recorded, or every position where a view holds the whole context (such a
+        prompt is not scored: `PromptChunks`); sets their `view_len`."""
         if not requests:
             return
         for request, context in zip(requests, contexts):
             request.view_len = self.config.budget(context)
-        width = max(r.view_len for r in requests)
-        self.rebuild(plan, segments, requests, self.runner.tensor(contexts), width)
+        whole = [i for i, context in enumerate(contexts) if self.config.whole_view(context)]
+        if whole:
+            slots = self.runner.tensor([requests[i].slot for i in whole])
+            lengths = [contexts[i] for i in whole]
+            self.cache.index_views.set_full(slots, self.runner.tensor(lengths), width=max(lengths))
+        scored = [i for i in range(len(requests)) if not self.config.whole_view(contexts[i])]
+        if scored:
+            picked = [requests[i] for i in scored]
+            width = max(r.view_len for r in picked)
+            contexts_scored = self.runner.tensor([contexts[i] for i in scored])
+            self.rebuild(plan, [segments[i] for i in scored], picked, contexts_scored, width)
 
     def extension_slack(self) -> int:
         """How far views may outgrow their budget: each round between refreshes adds up to `draft_len + 1`."""
