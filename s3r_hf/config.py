@@ -102,7 +102,8 @@ class S3RConfig:
             Prefill chunks run the layers' own forward (compiled with `compile_layers`). On an H200 in bfloat16 it
             is faster than the compiled layers only at a few rows (a rollout's tail) and slower at 64 and more; in
             float32, where cuBLAS runs a few rows' GEMMs on SIMT cores and these kernels use tensor cores (three
-            TF32 products per product, float32's accuracy), it is faster (`docs/benchmarks.md`).
+            TF32 products per product, float32's accuracy), a dense step at 16 rows is faster, but one at 32 rows
+            was slower in whole rollout calls (`docs/benchmarks.md`).
         draft_matmul_precision (`str`, defaults to `"highest"`):
             For float32 models on CUDA, the precision of the draft passes' matmuls, as in
             `torch.set_float32_matmul_precision`: `"high"` runs them on TF32 tensor cores. A draft is only a
