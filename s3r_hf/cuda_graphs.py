@@ -13,10 +13,13 @@ draft passes, sampling included, see `draft_phase.py`) is one graph.
 Buckets: a step replays the smallest bucket already captured that holds its rows, unless that bucket is more
 than `REUSE_FACTOR` times the bucket the rows would need (then the smaller one is captured). Padding rows cost
 little next to the weights every step reads, and each capture costs a warm-up run and a capture, so a batch
-that shrinks as requests finish captures about two buckets per kind instead of one per size. There is no bucket
-of one row: torch.compile specializes a dimension of size 1, so with compiled layers the first step down to one
-request would compile every layer's frames again, in whichever call (a later GRPO step) a tail first gets there.
-A padding row costs a one-request step nothing measurable (both read the same weights).
+that shrinks as requests finish captures about two buckets per kind instead of one per size. In a call whose
+graphs were kept from an earlier one (`replay_larger`), any larger captured bucket is replayed instead: which
+row counts a sampled rollout's tail reaches changes from call to call, and a capture there costs more than the
+padding rows of the tail's few steps (docs/benchmarks.md). There is no bucket of one row: torch.compile
+specializes a dimension of size 1, so with compiled layers the first step down to one request would compile every
+layer's frames again, in whichever call (a later GRPO step) a tail first gets there. A padding row costs a
+one-request step nothing measurable (both read the same weights).
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ class DecodeGraphs:
         self.steps: dict[tuple, _CapturedStep | _CapturedDraftPhase] = {}
         self.replays = 0
         self.captures = 0
+        # Set for each call (the engine): replay any larger captured bucket rather than capture a smaller one.
+        self.replay_larger = False
         self.capture_seconds = 0.0  # wall time spent capturing (device-synchronized)
 
     @staticmethod
@@ -184,14 +189,15 @@ class DecodeGraphs:
 
     def _key(self, kind: str, rows: int, capacity: int, width: int = 1, variant: tuple | None = None) -> tuple:
         """`(kind, bucket, capacity, width, variant)` to replay for `rows` rows: a captured bucket up to
-        `REUSE_FACTOR` times too large, else the smallest that fits."""
+        `REUSE_FACTOR` times too large (any larger one with `replay_larger`), else the smallest that fits."""
         rows = min(rows, BUCKETS[-1])
         ideal = next(b for b in BUCKETS if b >= rows)
         captured = sorted(
             k[1] for k in self.steps
             if k[0] == kind and k[2] == capacity and k[3] == width and k[4] == variant and k[1] >= rows
         )
-        bucket = captured[0] if captured and captured[0] <= REUSE_FACTOR * ideal else ideal
+        reusable = captured and (self.replay_larger or captured[0] <= REUSE_FACTOR * ideal)
+        bucket = captured[0] if reusable else ideal
         return (kind, bucket, capacity, width, variant)
 
     def _drop_stale(self, kind: str, key: tuple) -> None:

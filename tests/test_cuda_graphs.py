@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -32,6 +34,24 @@ def test_which_steps_are_graphed():
     assert DecodeGraphs.kind(plan(dense=_dense(7, scored=False)), draft_len=6) == "block"
     assert DecodeGraphs.kind(plan(dense=_dense(8, scored=False)), draft_len=6) is None
     assert DecodeGraphs.kind(plan(dense=_dense(1, scored=False), sparse=sparse)) is None  # mixed steps: eager
+
+
+def test_buckets_captured_in_a_call_and_replayed_by_later_calls():
+    """Within a call a step replays a captured bucket up to `REUSE_FACTOR` times its own and captures a smaller one
+    beyond; a later call (graphs kept) replays any larger captured bucket, so a tail reaching fewer rows than the
+    first call's captures no graph."""
+    graphs = DecodeGraphs(SimpleNamespace(page_size=4), forward=None, max_pages=8, draft_len=6, max_candidates=16)
+    graphs.steps[graphs._key("dense", 32, 0)] = None  # captured at 32 rows
+    assert graphs._key("dense", 20, 0)[1] == 32
+    assert graphs._key("dense", 8, 0)[1] == 32  # 32 <= 4 x 8
+    assert graphs._key("dense", 3, 0)[1] == 4  # 32 > 4 x 4: a smaller bucket is captured
+    assert graphs._key("dense", 40, 0)[1] == 48  # nothing captured holds 40 rows
+    assert graphs._key("verify", 3, 0, width=7)[1] == 4  # other kinds and widths are other graphs
+    graphs.replay_larger = True
+    assert graphs._key("dense", 3, 0)[1] == 32
+    assert graphs._key("dense", 1, 0)[1] == 32
+    assert graphs._key("dense", 40, 0)[1] == 48
+    assert graphs._key("verify", 3, 0, width=7)[1] == 4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

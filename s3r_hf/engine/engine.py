@@ -186,6 +186,8 @@ class S3REngine:
         longest = max(r.peak_kv_tokens(self.config.draft_len) for r in requests)
         graphs = self.runtime.graphs_for(self.cache.pages_for(longest), self.config)
         graphs.keep_draft_phases_of(self.runner.draft_phase)
+        # Graphs kept from an earlier call: a step replays a larger captured bucket rather than capture a smaller one.
+        graphs.replay_larger = graphs.captures > 0
         self.runner.graphs = graphs
         # Index views at their largest from the start: growing them would invalidate the draft graphs. A view never
         # holds more than the context, whatever the slack between refreshes.
