@@ -40,9 +40,9 @@ class PromptChunk:
 class PromptChunks:
     """Chunks of `prefill_chunk_size` prompt tokens at most, in request order, and the followers of whole-prompt
     chunks (`followers`: each request with its leader's chunk index). A final chunk's last `draft_len + 1` queries
-    are scored: their top-K builds the prompt's first index views (a prompt copied from a donor has one query). A prompt
-whose view holds all of it (`S3RConfig.whole_view`, up to `min_budget` tokens) is not scored: its view is every
-position, whatever the scores."""
+    are scored: their top-K builds the prompt's first index views (a prompt copied from a donor has one query). A
+    prompt whose view holds all of it (`S3RConfig.whole_view`, up to `min_budget` tokens) is not scored: its view is
+    every position, whatever the scores."""
 
     def __init__(
         self,

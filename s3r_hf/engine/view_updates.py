@@ -28,12 +28,12 @@ class IndexViewUpdates:
             return
         for request, context in zip(requests, contexts):
             request.view_len = self.config.budget(context)
-        whole = [i for i, context in enumerate(contexts) if self.config.whole_view(context)]
-        if whole:
-            slots = self.runner.tensor([requests[i].slot for i in whole])
-            lengths = [contexts[i] for i in whole]
+        whole = [self.config.whole_view(context) for context in contexts]
+        if any(whole):
+            slots = self.runner.tensor([r.slot for r, w in zip(requests, whole) if w])
+            lengths = [context for context, w in zip(contexts, whole) if w]
             self.cache.index_views.set_full(slots, self.runner.tensor(lengths), width=max(lengths))
-        scored = [i for i in range(len(requests)) if not self.config.whole_view(contexts[i])]
+        scored = [i for i, w in enumerate(whole) if not w]
         if scored:
             picked = [requests[i] for i in scored]
             width = max(r.view_len for r in picked)

@@ -174,7 +174,7 @@ PREFILL_QUERIES = 66
 tile, where a decode step or a verify block has a handful and streams its keys. It is one more than the longest
 verify block (`S3RConfig.draft_len` is at most 64), so every prompt chunk longer than that takes the same tiling
 and the same compiled kernel variant: with a threshold inside the range of prompt lengths, a later GRPO step whose
-prompts were all shorter built a variant of its own (about a second, docs/benchmarks.md)."""
+prompts were all shorter built a variant of its own (docs/benchmarks.md)."""
 
 PREFILL_TILING = {"ROWS": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 """(query, GQA head) rows per program and the launch settings of prefill-length segments: of 24 tilings timed on
