@@ -133,18 +133,20 @@ def _bench_point(triton_backend, batch: int, seq: int, bandwidth: float, generat
     kv_bytes = 2 * batch * seq * kv_heads * dim * key_pool.element_size()
     floor_ms = kv_bytes / bandwidth * 1e3
 
+    # Metadata in int32, as the engine's plans hold it: int64 would time a conversion kernel with every launch.
+    int32 = dict(dtype=torch.int32, device="cuda")
     # Dense decode: one query per request at position seq-1.
     q1 = torch.randn(batch, heads, dim, device="cuda", dtype=dtype, generator=generator)
-    cu1 = torch.arange(batch + 1, device="cuda")
-    pos1 = torch.full((batch,), seq - 1, device="cuda")
+    cu1 = torch.arange(batch + 1, **int32)
+    pos1 = torch.full((batch,), seq - 1, **int32)
     decode_hints = dict(max_query_len=1, max_context=seq)
     dense_ms = _time_ms(lambda: triton_backend.paged_dense_attention(q1, key_pool, value_pool, tables, cu1, pos1,
                                                                      scale, **decode_hints))
     # Verify block: k+1 queries per request, scored.
     qv = torch.randn(batch * block, heads, dim, device="cuda", dtype=dtype, generator=generator)
-    cuv = torch.arange(0, batch * block + 1, block, device="cuda")
-    posv = torch.cat([torch.arange(seq - block, seq) for _ in range(batch)]).cuda()
-    starts = torch.zeros(batch, dtype=torch.long, device="cuda")
+    cuv = torch.arange(0, batch * block + 1, block, **int32)
+    posv = torch.cat([torch.arange(seq - block, seq) for _ in range(batch)]).to(**int32)
+    starts = torch.zeros(batch, **int32)
     hints = dict(max_query_len=block, max_context=seq, max_scored_queries=block)
     verify_ms = _time_ms(lambda: triton_backend.paged_dense_attention(qv, key_pool, value_pool, tables, cuv, posv,
                                                                       scale, starts, **hints))
@@ -155,9 +157,9 @@ def _bench_point(triton_backend, batch: int, seq: int, bandwidth: float, generat
     history = torch.full((batch,), seq - block, device="cuda")
     topk_ms = _time_ms(lambda: triton_backend.select_topk_candidates(scores, history, budget))
     # Sparse decode over a 5% view (+ 3 provisional tail positions).
-    view = triton_backend.select_topk_candidates(scores, history, budget).sort(dim=-1).values
-    lens = torch.full((batch,), budget, device="cuda")
-    tails = torch.full((batch,), seq - block, device="cuda")
+    view = triton_backend.select_topk_candidates(scores, history, budget).sort(dim=-1).values.int()
+    lens = torch.full((batch,), budget, **int32)
+    tails = torch.full((batch,), seq - block, **int32)
     pos_s = tails + 2
     sparse_ms = _time_ms(lambda: triton_backend.paged_sparse_attention(q1, key_pool, value_pool, tables, view, lens,
                                                                        tails, pos_s, scale, max_keys=budget + 3))
