@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25, help="kernels and host functions listed")
     parser.add_argument("--mode", default="s3r", choices=["s3r", "ar"], help="S3R or the engine's dense decoding")
     parser.add_argument("--no-logprobs", action="store_true", help="as a plain rollout: no log-probabilities")
+    parser.add_argument("--no-profile", action="store_true", help="only the timed calls: no profiled call after them")
     parser.add_argument("--host", action="store_true",
                         help="profile the last call's host Python (cProfile, by own time) instead of its kernels")
     args = parser.parse_args()
@@ -86,6 +87,8 @@ def main() -> None:
             f"{entry['tokens'] / entry['steps']:.1f}"
             for rows, entry in sorted(stats.decode_by_rows.items(), reverse=True) if entry["steps"]))
 
+    if args.no_profile:
+        return
     if args.host:
         torch.manual_seed(args.calls)
         profiler = cProfile.Profile()
