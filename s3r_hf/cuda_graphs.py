@@ -84,6 +84,7 @@ class DecodeGraphs:
         # Set for each call (the engine): replay any larger captured bucket rather than capture a smaller one.
         self.replay_larger = False
         self.capture_seconds = 0.0  # wall time spent capturing (device-synchronized)
+        self.capture_log: list[str] = []  # one entry per capture, in order: what was captured and how long it took
 
     @staticmethod
     def kind(plan: StepPlan, draft_len: int | None = None) -> str | None:
@@ -318,6 +319,7 @@ class DecodeGraphs:
         self.captures += 1
         self.capture_seconds += seconds
         kind, bucket, capacity, width, _ = key
+        self.capture_log.append(f"{kind} {bucket}x{width} ({seconds:.2f} s)")
         logger.info(
             f"captured a CUDA graph: {kind}, {bucket} rows of {width}, index views {capacity} wide, {seconds:.3f} s"
         )

@@ -283,6 +283,9 @@ def run_mode(
         result["calls"].append(record)
         console.print(f"  {mode} call {call + 1}: {record['seconds']:.2f} s, {record['tokens']} tokens "
                       f"({record['tokens_per_s']:,.0f} tok/s), longest {record['max_length']}", highlight=False)
+        captured = record.get("stats", {}).get("captured_graphs")
+        if call > 0 and captured:  # a kept runtime's later call should capture nothing: say what it needed
+            console.print(f"    captured: {', '.join(captured)}", highlight=False)
     if result["calls"]:
         result["summary"] = summarise(result["calls"])
     return result

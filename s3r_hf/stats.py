@@ -57,6 +57,9 @@ class S3RStats:
     decode_seconds: float = 0.0  # CUDA-graph captures included
     graph_captures: int = 0
     graph_capture_seconds: float = 0.0  # part of decode_seconds spent capturing CUDA graphs
+    # What this call captured: kind, rows x queries per row, seconds (`DecodeGraphs.capture_log`). A later call of a
+    # kept runtime should capture nothing; when it does, this says which step needed a graph the earlier ones had not.
+    captured_graphs: list[str] = field(default_factory=list)
     # torch.compile work during the call (`S3RConfig.compile_layers`): graphs compiled for shapes not seen before in
     # the process, and the seconds spent compiling them (part of prefill and decode time).
     compiled_graphs: int = 0
@@ -251,6 +254,7 @@ class S3RStats:
             "decode_seconds": self.decode_seconds,
             "graph_captures": self.graph_captures,
             "graph_capture_seconds": self.graph_capture_seconds,
+            "captured_graphs": list(self.captured_graphs),
             "compiled_graphs": self.compiled_graphs,
             "compile_seconds": self.compile_seconds,
             "kernel_variants": self.kernel_variants,

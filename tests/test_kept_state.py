@@ -197,6 +197,8 @@ def test_a_second_call_captures_no_graph():
     assert first.s3r_stats.graph_captures > 0
     second = model.generate(input_ids, attention_mask=attention_mask, s3r_config=config, **sample)
     assert second.s3r_stats.graph_captures == 0
+    assert len(first.s3r_stats.captured_graphs) == first.s3r_stats.graph_captures
+    assert second.s3r_stats.captured_graphs == []
     # Other sampling settings are other draft-phase graphs; the forward graphs stay.
     hotter = model.generate(input_ids, attention_mask=attention_mask, s3r_config=config,
                             **{**sample, "temperature": 1.2})
@@ -227,7 +229,7 @@ def test_graphs_are_captured_again_when_the_layers_they_replay_change():
     config = _config()
     kept = runtime.graphs_for(10, config)
     assert runtime.graphs_for(10, _config()) is kept
-    for change in ({"compile_layers": True}, {"fused_layers": True}, {"draft_matmul_precision": "high"}):
+    for change in ({"compile_layers": True}, {"fused_layers": True}, {"draft_matmul_precision": "highest"}):
         changed = dataclasses.replace(config, **change)
         graphs = runtime.graphs_for(10, changed)
         assert graphs is not kept

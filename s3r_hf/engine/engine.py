@@ -176,6 +176,7 @@ class S3REngine:
         if self.runner.graphs is not None:  # this call's captures (the graphs may be kept from earlier calls)
             self.stats.graph_captures = self.runner.graphs.captures - captured_before[0]
             self.stats.graph_capture_seconds = self.runner.graphs.capture_seconds - captured_before[1]
+            self.stats.captured_graphs = self.runner.graphs.capture_log[captured_before[0]:]
         return self.stats
 
     def _prepare_graphs(self, requests: list[Request]) -> tuple[int, float]:
