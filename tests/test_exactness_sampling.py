@@ -60,8 +60,9 @@ DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
 RUNTIMES = {
     "eager": {},
     "graphs": {"cuda_graphs": True},
-    "graphs+compile": {"cuda_graphs": True, "compile_layers": True},
-    # float32 draft passes on TF32 tensor cores: the proposal changes, the verify stays float32.
+    # float32 draft passes in full float32, and on TF32 tensor cores (the default, which the two runtimes above
+    # use too on CUDA): the proposal changes, the verify stays float32.
+    "graphs+compile": {"cuda_graphs": True, "compile_layers": True, "draft_matmul_precision": "highest"},
     "graphs+compile+tf32-drafts": {"cuda_graphs": True, "compile_layers": True, "draft_matmul_precision": "high"},
 }
 GRAPHS = list(RUNTIMES) if DEVICE.type == "cuda" else ["eager"]
