@@ -59,7 +59,7 @@ def s3r_attention_forward(
         out = None
     else:
         out = torch.empty_like(packed)
-    if step.dense is not None and step.dense.prefill_spans is not None:  # a prefill step with long chunks
+    if step.dense is not None and step.dense.prefill_spans is not None:  # a prefill step, split by kind of query
         out, scores = _prefill_attention(query, key, value, pools, step.dense, scale, backend)
         if scores is not None:
             step.scores[layer_idx] = scores
@@ -91,10 +91,10 @@ def _prefill_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pools, dense: DenseSegments, scale: float, backend
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A prefill step's attention `[N, Hq, D]`: each long chunk through torch's fused SDPA kernels, the shorter ones
-    through the paged kernel in one launch, and the scores of the scored queries from the paged kernel over those
-    queries alone (the same scores it gives over the whole step: each scored query sees the same keys). A chunk that
-    starts at position 0 attends to its own K/V; a later chunk of a prompt to the K/V cached before it as well,
-    gathered from its pages."""
+    through the paged kernel in one unscored launch, and the scores of the scored queries from the paged kernel over
+    those queries alone (the same scores it gives over the whole step: each scored query sees the same keys). A
+    chunk that starts at position 0 attends to its own K/V; a later chunk of a prompt to the K/V cached before it as
+    well, gathered from its pages."""
     packed = query[0].transpose(0, 1)  # [N, Hq, D]
     out = torch.empty_like(packed)
     page_size = pools.keys.shape[1]

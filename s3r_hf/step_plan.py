@@ -27,10 +27,11 @@ class DenseSegments:
     max_context: int  # longest context, the last query's position + 1
     max_scored_queries: int = 0  # most scored queries of any segment (sizes the verify-score scratch)
     num_splits: int | None = None  # fixed key split (CUDA-graph steps); None lets the kernel choose
-    # A prefill step with long chunks (`attention.py`): `(segment, first packed row, first position, end position)`
-    # of each long one, which runs through torch's fused causal attention; the other segments' queries (`paged`)
-    # and every segment's scored queries (`scored`, for their scores) go through the paged kernel, as segments with
-    # only those queries.
+    # A prefill step split by kind of query (`attention.py`; long chunks, or scored chunks longer than their scored
+    # queries): `(segment, first packed row, first position, end position)` of each long one, which runs through
+    # torch's fused causal attention (possibly none); the other segments' queries (`paged`, unscored) and every
+    # segment's scored queries (`scored`, for their scores) go through the paged kernel, as segments with only those
+    # queries.
     prefill_spans: list[tuple[int, int, int, int]] | None = None
     paged: DenseSegments | None = None
     scored: DenseSegments | None = None

@@ -123,3 +123,30 @@ def test_greedy_matches_dense_when_prefill_attends_through_sdpa(chunk, monkeypat
     assert any(start > 0 for spans, _ in taken for _, _, start, _ in spans) == (chunk == 24)
     if chunk == 2048:  # one step packs all three prompts: two long chunks and a short one
         assert any(paged is not None for _, paged in taken)
+
+
+def test_scored_prefill_steps_score_in_a_launch_of_their_own(monkeypatch):
+    """Chunks longer than their scored queries: the paged kernel's launch over every query stores no logits (a
+    prefill tiling builds one kernel variant, whether a step's prompts are scored or not) and the scores come from a
+    launch over the scored queries alone; greedy S3R still equals dense decoding."""
+    taken = []
+    original = _prefill_attention
+
+    def spy(*args, **kwargs):
+        taken.append(args[4])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr("s3r_hf.attention._prefill_attention", spy)
+    model = s3r_hf.enable(tiny_model("llama", seed=33).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([60, 17, 45], seed=34))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=24)
+    dense = model.generate(input_ids, **kwargs)
+    config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.2, min_budget=4, page_size=4)
+    out = model.generate(input_ids, s3r_config=config, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, dense)
+    assert taken and out.s3r_stats.accepted > 0
+    for step in taken:
+        assert step.prefill_spans == []  # no chunk reaches SDPA's length
+        assert step.paged is not None and step.paged.score_starts is None
+        assert step.paged.max_query_len == 60
+        assert step.scored is not None and step.scored.max_query_len == config.draft_len + 1

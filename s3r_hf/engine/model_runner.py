@@ -175,7 +175,13 @@ class ModelRunner:
             max_context=chunks.max_context,
             max_scored_queries=chunks.max_scored_queries,
         )
-        if chunks.max_query_len >= SDPA_PREFILL_QUERIES:
+        # The scored queries of chunks longer than them are scored in a launch of their own, and the launch over
+        # every query stores no logits: a prefill tiling of the paged kernel then builds one variant whether a step
+        # scores its prompts or not (prompts of a whole view are not scored, `S3RConfig.whole_view`), instead of
+        # building the other in whichever later call, a GRPO step, first sees the other kind (about a second).
+        if chunks.max_query_len >= SDPA_PREFILL_QUERIES or (
+            chunks.scored and chunks.max_query_len > chunks.max_scored_queries
+        ):
             spans = [(row, c.start, c.end) for row, c in zip(chunks.cu_seqlens, chunks.chunks)]
             dense.prefill_spans, short, scored = prefill_parts(spans, chunks.score_starts, SDPA_PREFILL_QUERIES)
             dense.paged = self._query_subset(dense, spans, short, scored=False)
