@@ -34,6 +34,7 @@ from transformers.utils import logging
 
 from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase
+from s3r_hf.matmul_precision import float32_matmul_precision
 from s3r_hf.sampler import draw_noise
 from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
 
@@ -111,8 +112,11 @@ class DecodeGraphs:
     def supports_draft_phase(rows: int) -> bool:
         return rows <= BUCKETS[-1]
 
-    def run(self, input_ids: torch.Tensor, plan: StepPlan, bucket_floor: int = 0) -> torch.Tensor:
-        """Logits `[n, V]` of the step, from a replayed graph (captured on first use of its bucket).
+    def run(
+        self, input_ids: torch.Tensor, plan: StepPlan, bucket_floor: int = 0, precision: str = "highest"
+    ) -> torch.Tensor:
+        """Logits `[n, V]` of the step, from a replayed graph (captured on first use of its bucket, with float32
+        matmuls at `precision`: the graph keeps the kernels chosen then).
 
         `bucket_floor` replays a bucket at least that large: late draft passes of a round, with fewer requests,
         reuse the round's graph (padding rows are cheap) instead of capturing one per smaller size.
@@ -130,7 +134,8 @@ class DecodeGraphs:
             self._drop_stale(kind, key)
             step = self._static_step(kind, key[1], width)
             self._fill(kind, step, input_ids, plan, count)
-            step.graph, step.logits = self._capture(lambda: self.forward(step.input_ids, step.plan), key)
+            with float32_matmul_precision(precision):
+                step.graph, step.logits = self._capture(lambda: self.forward(step.input_ids, step.plan), key)
             self.steps[key] = step
         else:
             self._fill(kind, step, input_ids, plan, count)
@@ -142,9 +147,15 @@ class DecodeGraphs:
         return step.logits[:count].to(torch.float32, copy=True)
 
     def run_draft_phase(
-        self, phase: DraftPhase, inputs: DraftInputs, generator: torch.Generator | None, passes: int | None = None
+        self,
+        phase: DraftPhase,
+        inputs: DraftInputs,
+        generator: torch.Generator | None,
+        passes: int | None = None,
+        precision: str = "highest",
     ) -> DraftOutputs:
-        """The round's draft passes from one replayed graph; `inputs.noise` is ignored (drawn here, in place).
+        """The round's draft passes from one replayed graph, captured with float32 matmuls at `precision`;
+        `inputs.noise` is ignored (drawn here, in place).
 
         The outputs are views of the graph's buffers, valid until the next draft phase of this bucket. Each number
         of `passes` (the round's longest draft) is a graph of its own, and so is each `DraftPhase.signature` (the
@@ -164,9 +175,10 @@ class DecodeGraphs:
             draw_noise(captured.inputs.noise, generator)
         if fresh:
             static = captured.inputs
-            captured.graph, captured.outputs = self._capture(
-                lambda: phase(static, capacity, num_splits=1, passes=passes), key
-            )
+            with float32_matmul_precision(precision):
+                captured.graph, captured.outputs = self._capture(
+                    lambda: phase(static, capacity, num_splits=1, passes=passes), key
+                )
             self.steps[key] = captured
         captured.graph.replay()
         self.replays += 1

@@ -10,8 +10,11 @@ import torch
 
 import s3r_hf
 from s3r_hf import S3RConfig
-from s3r_hf.engine.model_runner import ModelRunner, float32_matmul_precision
+from s3r_hf.draft_phase import DraftInputs
+from s3r_hf.engine.model_runner import ModelRunner
+from s3r_hf.matmul_precision import float32_matmul_precision
 from s3r_hf.model_forward import ModelForward
+from s3r_hf.sampler import draw_noise
 from tests.conftest import left_padded_batch, tiny_model
 
 DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
@@ -69,4 +72,56 @@ def test_tf32_drafts_change_only_the_draft_forwards_and_greedy_stays_dense(monke
     others = [tf32 for is_draft, tf32 in seen if not is_draft]
     assert drafts and others and out.s3r_stats.drafted > 0
     assert set(drafts) == {forced or DEVICE.type == "cuda" or before} and set(others) == {before}
+    s3r_hf.release(model)
+
+
+class _EagerGraphs:
+    """Stands in for `DecodeGraphs` on any device: says it replays every draft phase, records the process-wide TF32
+    flag and the precision it was handed, and runs the phase eagerly (as a capture would, under that precision)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.calls: list[tuple[bool, str]] = []
+        self.captures, self.capture_seconds, self.capture_log = 0, 0.0, []
+
+    def supports(self, plan, num_tokens) -> bool:
+        return False  # every other forward runs eagerly
+
+    @staticmethod
+    def supports_draft_phase(rows: int) -> bool:
+        return True
+
+    def run_draft_phase(self, phase, inputs: DraftInputs, generator, passes=None, precision="highest"):
+        self.calls.append((torch.backends.cuda.matmul.allow_tf32, precision))
+        noise = phase.noise_buffer(inputs.pending.shape[0], inputs.pending.device)
+        inputs.noise = None if noise is None else draw_noise(noise, generator)
+        with float32_matmul_precision(precision):
+            return phase(inputs, self.capacity, passes=passes)
+
+
+def test_graph_replays_leave_the_process_wide_flag_alone(monkeypatch):
+    """With CUDA graphs the runner hands the draft precision to the graphs, which set it around a capture only: a
+    replay runs the kernels captured, so the process-wide flag (which another thread's float32 matmuls would see)
+    stays as it was around every replay."""
+    init = ModelRunner.__init__
+    graphs = []
+
+    def with_graphs(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.draft_precision = "high"  # as on CUDA in float32
+        self.graphs = _EagerGraphs(capacity=64)
+        graphs.append(self.graphs)
+
+    monkeypatch.setattr(ModelRunner, "__init__", with_graphs)
+    model = s3r_hf.enable(tiny_model("llama", seed=73).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 21, 14], seed=74))
+    dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=24)
+    config = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.2, min_budget=2, page_size=4)
+    before = torch.backends.cuda.matmul.allow_tf32
+    out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=24,
+                         s3r_config=config)
+    assert torch.equal(out, dense)
+    assert out.s3r_stats.drafted > 0 and graphs[-1].calls
+    assert set(graphs[-1].calls) == {(before, "high")}
+    assert torch.backends.cuda.matmul.allow_tf32 == before
     s3r_hf.release(model)

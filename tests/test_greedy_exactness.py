@@ -11,6 +11,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import s3r_hf
 from s3r_hf import KVCapacityError, S3RConfig
 from s3r_hf.cache.s3r_cache import page_bytes
+from s3r_hf.engine.prompt_chunks import PromptChunks
+from s3r_hf.engine.view_updates import IndexViewUpdates
 from tests.conftest import left_padded_batch, tiny_model
 
 # Budgets small enough that drafts really get rejected: 10% of the context, at least 2 positions.
@@ -205,3 +207,28 @@ def test_engine_dense_mode_matches_generate_and_forced_acceptance_runs():
     assert forced.s3r_stats.accepted == forced.s3r_stats.drafted > 0
     with pytest.raises(ValueError, match="engine mode"):
         model.generate(input_ids, s3r_config=SMALL_BUDGET, s3r_mode="fast", **kwargs)
+
+
+def test_engine_dense_mode_scores_no_prompt_and_builds_no_views(monkeypatch):
+    """Engine AR never drafts: its prompts (past `min_budget` here) are prefilled unscored and no index view is
+    built, where S3R scores them and builds the views; both equal `generate`."""
+    refreshed, scored = [], []
+    refresh, take = IndexViewUpdates.refresh, PromptChunks.take.__func__
+
+    def spy_take(cls, *args, **kwargs):
+        chunks = take(cls, *args, **kwargs)
+        scored.append(chunks is not None and chunks.scored)
+        return chunks
+
+    monkeypatch.setattr(IndexViewUpdates, "refresh", lambda self, *a: refreshed.append(1) or refresh(self, *a))
+    monkeypatch.setattr(PromptChunks, "take", classmethod(spy_take))
+    model = s3r_hf.enable(tiny_model("llama", seed=17))
+    input_ids, attention_mask = left_padded_batch([7, 19, 12], seed=18)
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=20)
+    dense = model.generate(input_ids, **kwargs)
+    assert torch.equal(model.generate(input_ids, s3r_config=SMALL_BUDGET, **kwargs), dense)
+    assert refreshed and any(scored)
+    refreshed.clear()
+    scored.clear()
+    assert torch.equal(model.generate(input_ids, s3r_config=SMALL_BUDGET, s3r_mode="ar", **kwargs), dense)
+    assert scored and not any(scored) and not refreshed

@@ -115,7 +115,7 @@ class S3REngine:
             self.committer, self.timer, self.policy, cache, config, self.stats,
             learns_acceptance=mode == "s3r", refreshes_views=mode != "ar",
         )
-        self.first_tokens = FirstTokens(sampling, self.committer, self.views)
+        self.first_tokens = FirstTokens(sampling, self.committer, self.views if mode != "ar" else None)
         self.mixed = MixedStep(self.round, self.runner, self.scheduler, self.first_tokens, self.timer)
 
     @staticmethod

@@ -14,9 +14,10 @@ from s3r_hf.step_plan import StepPlan
 
 
 class FirstTokens:
-    """Used by prefill steps and by mixed steps (whose prompt segments follow the round's verify blocks)."""
+    """Used by prefill steps and by mixed steps (whose prompt segments follow the round's verify blocks). `views` is
+    None for engine AR, which never drafts from index views."""
 
-    def __init__(self, sampling: SamplingSetup, committer: Committer, views: IndexViewUpdates) -> None:
+    def __init__(self, sampling: SamplingSetup, committer: Committer, views: IndexViewUpdates | None) -> None:
         self.sampling = sampling
         self.committer = committer
         self.views = views
@@ -36,4 +37,5 @@ class FirstTokens:
             logprob = logprobs[row] if logprobs is not None else None
             self.committer.commit(request, first_tokens[row], scores, row, logits, row, logprob)
         self.committer.stopping_step()
-        self.views.refresh(plan, segments, finished, [r.prompt_len for r in finished])
+        if self.views is not None:
+            self.views.refresh(plan, segments, finished, [r.prompt_len for r in finished])

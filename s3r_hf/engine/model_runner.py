@@ -3,8 +3,6 @@ it, eagerly or as a CUDA-graph replay."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -16,6 +14,7 @@ from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase
 from s3r_hf.engine.prompt_chunks import PromptChunks
 from s3r_hf.engine.sampling_setup import SamplingSetup
 from s3r_hf.kernels import get_backend
+from s3r_hf.matmul_precision import float32_matmul_precision
 from s3r_hf.model_forward import ModelForward
 from s3r_hf.request import Request
 from s3r_hf.sampler import draw_noise, sample_from_scores
@@ -69,21 +68,6 @@ class Verified(NamedTuple):
     prompt_logits: torch.Tensor | None = None
 
 
-@contextlib.contextmanager
-def float32_matmul_precision(precision: str) -> Iterator[None]:
-    """Inside the block, float32 CUDA matmuls at `precision` (`"high"`: on TF32 tensor cores; `"highest"`: left as
-    they are); the setting is restored after it. A CUDA graph captured inside keeps the matmul kernels chosen then."""
-    if precision == "highest":
-        yield
-        return
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
-
-
 class ModelRunner:
     """The engine's forwards. `graphs` is set by the engine when `S3RConfig.cuda_graphs` is on (on CUDA)."""
 
@@ -105,7 +89,8 @@ class ModelRunner:
         self.sampling = sampling
         self.stats = stats
         self.draft_phase = draft_phase
-        self.scores_verify = scores_verify  # engine AR never refreshes views, so its verify records no scores
+        # Engine AR never drafts, so neither its prompts nor its verify record scores for index views.
+        self.scores_verify = scores_verify
         self.vocab_size = vocab_size
         self.device = cache.device
         self.num_layers = cache.num_layers
@@ -117,16 +102,23 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- forward
     def forward(
-        self, input_ids: torch.Tensor, plan: StepPlan, keep: torch.Tensor | None = None, bucket_floor: int = 0
+        self,
+        input_ids: torch.Tensor,
+        plan: StepPlan,
+        keep: torch.Tensor | None = None,
+        bucket_floor: int = 0,
+        precision: str = "highest",
     ) -> torch.Tensor:
         """One packed forward of `input_ids` `[N]`; float logits of the kept rows (all rows when `keep` is None).
 
         Decode steps replay a CUDA graph when `S3RConfig.cuda_graphs` is on (`bucket_floor`: see `DecodeGraphs`).
+        `precision`: of its float32 matmuls (`float32_matmul_precision`), set while it runs eagerly or is captured.
         """
         input_ids = input_ids.to(self.device)
         if self.graphs is not None and keep is None and self.graphs.supports(plan, input_ids.shape[0]):
-            return self.graphs.run(input_ids, plan, bucket_floor=bucket_floor)
-        return self.model_forward(input_ids[None], plan, keep).float()
+            return self.graphs.run(input_ids, plan, bucket_floor=bucket_floor, precision=precision)
+        with float32_matmul_precision(precision):
+            return self.model_forward(input_ids[None], plan, keep).float()
 
     def capture_seconds(self) -> float:
         return self.graphs.capture_seconds if self.graphs is not None else 0.0
@@ -222,7 +214,7 @@ class ModelRunner:
             self.cache.reserve(request.slot, end)
             return True
 
-        return PromptChunks.take(requests, self.cache, self.config, reserve, donors)
+        return PromptChunks.take(requests, self.cache, self.config, reserve, donors, scores=self.scores_verify)
 
     # ---------------------------------------------------------------- drafts
     def draft(
@@ -263,13 +255,14 @@ class ModelRunner:
         views at most `view_width` long)."""
         slots = self.tensor([r.slot for r in requests])
         inputs = DraftInputs(pending, committed, counts, slots, tables, noise=None)
+        if self.graphs is not None and self.graphs.supports_draft_phase(len(requests)):
+            return self.graphs.run_draft_phase(
+                self.draft_phase, inputs, self.sampling.draft_noise_generator, passes=round_k,
+                precision=self.draft_precision,
+            )
+        noise = self.draft_phase.noise_buffer(len(requests), self.device)
+        inputs.noise = None if noise is None else draw_noise(noise, self.sampling.draft_noise_generator)
         with float32_matmul_precision(self.draft_precision):
-            if self.graphs is not None and self.graphs.supports_draft_phase(len(requests)):
-                return self.graphs.run_draft_phase(
-                    self.draft_phase, inputs, self.sampling.draft_noise_generator, passes=round_k
-                )
-            noise = self.draft_phase.noise_buffer(len(requests), self.device)
-            inputs.noise = None if noise is None else draw_noise(noise, self.sampling.draft_noise_generator)
             return self.draft_phase(inputs, view_width, passes=passes)
 
     def draft_pass(
@@ -307,8 +300,7 @@ class ModelRunner:
             max_keys=max(r.view_len for r in requests) + step + 1,
         )
         plan = StepPlan(write_index=self.tensor(write), position_ids=sparse.positions.long()[None], sparse=sparse)
-        with float32_matmul_precision(self.draft_precision):
-            logits = self.forward(tokens, plan, bucket_floor=round_size)
+        logits = self.forward(tokens, plan, bucket_floor=round_size, precision=self.draft_precision)
         history_free = self.sampling.logits_processor.history_free
         histories = [] if history_free else [r.tokens[: r.length + step] for r in requests]
         scores = self.sampling.logits_processor([r.row for r in requests], histories, logits)

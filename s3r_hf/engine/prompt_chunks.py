@@ -42,7 +42,7 @@ class PromptChunks:
     chunks (`followers`: each request with its leader's chunk index). A final chunk's last `draft_len + 1` queries
     are scored: their top-K builds the prompt's first index views (a prompt copied from a donor has one query). A
     prompt whose view holds all of it (`S3RConfig.whole_view`, up to `min_budget` tokens) is not scored: its view is
-    every position, whatever the scores."""
+    every position, whatever the scores. With `scores` off (engine AR, which never drafts) no prompt is scored."""
 
     def __init__(
         self,
@@ -51,6 +51,7 @@ class PromptChunks:
         config: S3RConfig,
         followers: list[tuple[Request, int]] | None = None,
         copied_tokens: int = 0,
+        scores: bool = True,
     ) -> None:
         self.chunks = chunks
         self.followers = followers or []
@@ -64,7 +65,7 @@ class PromptChunks:
         for length in lengths:
             self.cu_seqlens.append(self.cu_seqlens[-1] + length)
         self.score_starts = [
-            max(0, length - block) if c.final and not config.whole_view(c.request.prompt_len) else -1
+            max(0, length - block) if scores and c.final and not config.whole_view(c.request.prompt_len) else -1
             for c, length in zip(chunks, lengths)
         ]
         self.scored = any(first >= 0 for first in self.score_starts)
@@ -90,9 +91,11 @@ class PromptChunks:
         config: S3RConfig,
         reserve: Callable[[Request, int], bool],
         donors: dict[bytes, Request] | None = None,
+        scores: bool = True,
     ) -> PromptChunks | None:
         """The next chunks of `requests` in order, while the budget lasts and `reserve(request, end)` gets the pages
-        of a chunk (a chunk that does not fit ends the step's chunks); None when no chunk is taken.
+        of a chunk (a chunk that does not fit ends the step's chunks); None when no chunk is taken. `scores`: see
+        the class.
 
         `donors`: running requests whose whole prompt is in the cache, by prompt. A request that has not begun a
         prompt a donor holds copies all of it but its last token from the donor now, and prefills that token alone
@@ -133,7 +136,7 @@ class PromptChunks:
                 else:
                     started.add(request.prompt_key)
             chunks.append(PromptChunk(request, request.prefilled, end))
-        return cls(chunks, cache, config, followers, copied) if chunks else None
+        return cls(chunks, cache, config, followers, copied, scores) if chunks else None
 
     @property
     def num_tokens(self) -> int:
