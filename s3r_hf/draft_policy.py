@@ -20,7 +20,8 @@ refresh costs the verify's score material, the score reduction and the top-K; th
 views with their committed tokens, and their drafts are accepted a little less often the older the views get. The
 rule estimates acceptance per view age and the cost of refreshing and extending rounds, and runs the interval `N`
 with the most expected tokens per second: `Σ_{a<N} E[τ(k, a)]` over the time of one refreshing and `N - 1`
-extending rounds. Now and then a cycle one round longer or shorter measures the neighbouring interval.
+extending rounds. Now and then a cycle one round longer or shorter measures the neighbouring interval, where
+drafting is the choice; a probe of drafting from dense decoding refreshes every round.
 
 Exactness does not depend on either choice: `k` and the refresh are fixed before the round draws its randomness,
 from what earlier rounds did, and every round is an exact speculative-sampling step for whatever `k` it runs over
@@ -476,8 +477,17 @@ class AdaptiveDraftLength:
 
     def _choose_interval(self, bucket: _BucketCosts, key: tuple[int, int], k: int) -> int:
         """The interval of a new refresh cycle: the best by the estimates, or a neighbour of it now and then (more
-        rarely while probes keep confirming the choice), which measures the refresh pattern that neighbour needs."""
+        rarely while probes keep confirming the choice), which measures the refresh pattern that neighbour needs.
+
+        Where the bucket decodes densely (or has chosen nothing yet), a probe of drafting refreshes every round: it
+        measures one thing, whether drafting pays, and needs only the graphs of refreshing rounds. Running the
+        extending rounds of a longer interval there would make a later call, whose graphs are otherwise all
+        captured, capture the extending rounds' graph for a probe that rarely changes the choice."""
         bucket.cycles += 1
+        if not bucket.choice:
+            interval = self.refresh_intervals[0]
+            self.interval_choices[interval] = self.interval_choices.get(interval, 0) + 1
+            return interval
         value = self._value(key, k)
         best = value[1] if value is not None else self.refresh_intervals[0]
         if best != bucket.interval:

@@ -151,3 +151,14 @@ def test_fixed_and_scripted_refreshes():
         AdaptiveDraftLength(6, refresh_intervals=(0, 2))
     with pytest.raises(ValueError, match="refreshes"):
         ScriptedDraftLength([3], refreshes=[])
+
+
+def test_probes_from_dense_decoding_refresh_every_round():
+    """Where drafting loses, the rule decodes densely and probes drafting now and then: every such round refreshes
+    the views. Extending rounds there would need CUDA graphs of their own, which a later call with every other graph
+    kept would capture for a probe that rarely changes the choice."""
+    policy = adaptive_for(6)
+    history = _drive(policy, alphas=[0.93], rounds=6000, round_base=7.0)
+    drafting = [refreshes for k, refreshes, _ in history if k]
+    assert len(drafting) >= 10 and all(drafting)
+    assert [k for k, _, _ in history[-300:]].count(0) >= 290
