@@ -98,19 +98,24 @@ def test_prefill_attention_matches_the_paged_kernel_over_the_whole_step():
     torch.testing.assert_close(scores.cpu(), expected_scores, rtol=tolerance, atol=tolerance / 10)
 
 
+def _prefill_plans(monkeypatch) -> list[DenseSegments]:
+    """The dense segments of every prefill step that goes through `attention._prefill_attention`, as they run."""
+    plans, original = [], _prefill_attention
+
+    def spy(*args, **kwargs):
+        plans.append(args[4])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr("s3r_hf.attention._prefill_attention", spy)
+    return plans
+
+
 @pytest.mark.parametrize("chunk", [2048, 24])  # whole prompts; chunks that continue a prompt
 def test_greedy_matches_dense_when_prefill_attends_through_sdpa(chunk, monkeypatch):
     # Prompts of 60, 17 and 45 tokens. Whole, the 17-token one goes through the paged kernel in the step where the
     # others go through SDPA; in steps of at most 24 tokens, later chunks of a prompt attend to its cached K/V.
     monkeypatch.setattr(model_runner, "SDPA_PREFILL_QUERIES", 20)
-    taken = []
-    original = _prefill_attention
-
-    def spy(*args, **kwargs):
-        taken.append((args[4].prefill_spans, args[4].paged))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr("s3r_hf.attention._prefill_attention", spy)
+    plans = _prefill_plans(monkeypatch)
     model = s3r_hf.enable(tiny_model("qwen3", seed=31).to(DEVICE))
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([60, 17, 45], seed=32))
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=24)
@@ -119,24 +124,17 @@ def test_greedy_matches_dense_when_prefill_attends_through_sdpa(chunk, monkeypat
                        prefill_chunk_size=chunk)
     out = model.generate(input_ids, s3r_config=config, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, dense)
-    assert taken and out.s3r_stats.accepted > 0
-    assert any(start > 0 for spans, _ in taken for _, _, start, _ in spans) == (chunk == 24)
+    assert plans and out.s3r_stats.accepted > 0
+    assert any(start > 0 for plan in plans for _, _, start, _ in plan.prefill_spans) == (chunk == 24)
     if chunk == 2048:  # one step packs all three prompts: two long chunks and a short one
-        assert any(paged is not None for _, paged in taken)
+        assert any(plan.paged is not None for plan in plans)
 
 
 def test_scored_prefill_steps_score_in_a_launch_of_their_own(monkeypatch):
     """Chunks longer than their scored queries: the paged kernel's launch over every query stores no logits (a
     prefill tiling builds one kernel variant, whether a step's prompts are scored or not) and the scores come from a
     launch over the scored queries alone; greedy S3R still equals dense decoding."""
-    taken = []
-    original = _prefill_attention
-
-    def spy(*args, **kwargs):
-        taken.append(args[4])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr("s3r_hf.attention._prefill_attention", spy)
+    taken = _prefill_plans(monkeypatch)
     model = s3r_hf.enable(tiny_model("llama", seed=33).to(DEVICE))
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([60, 17, 45], seed=34))
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=24)

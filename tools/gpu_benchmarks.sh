@@ -70,7 +70,8 @@
 #   adaptive-tests  CUDA tests of adaptive draft lengths (greedy identity, G-test with k varying, graphs)
 #   rollout      a GRPO-shaped S3R generate call outside TRL (tools/probe_rollout.py): its time by phase, then one
 #                call profiled; fp32 then bf16 (PROBE_DTYPES picks them, PROBE_CONFIG overrides the S3RConfig
-#                JSON, PROBE_ARGS adds options, e.g. "--calls 1 --max-new-tokens 256")
+#                JSON, PROBE_ARGS adds options, e.g. "--calls 1 --max-new-tokens 256 --no-profile", PROBE_NAME
+#                names the logs, rollout${PROBE_NAME}_DTYPE.log, so several runs in one call keep theirs)
 #   layers       engine AR and S3R ms per step with the decoder layers eager, compiled per layer, compiled with
 #                max-autotune, and with liger-kernel's ops (tools/decode_layer_options.py; liger-kernel among the
 #                --wheels): LAYERS_MODEL=smol (SmolLM2 at B=64, S=4K, the default) or qwen (the Qwen3-1.7B shape at
@@ -320,8 +321,8 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
   rollout)
     for dtype in ${PROBE_DTYPES:-float32 bfloat16}; do
       timeout 200 python3 tools/probe_rollout.py --model "$smol" "${data_flag[@]}" --dtype $dtype --calls 2 ${PROBE_ARGS:-} \
-        --s3r-config "${PROBE_CONFIG:-{\"cuda_graphs\": true, \"compile_layers\": true\}}" > "$OUT/rollout_$dtype.log" 2>&1
-      grep -v -i "warn\|loading\|convert\|writing" "$OUT/rollout_$dtype.log" | cut -c1-160 | tail -45
+        --s3r-config "${PROBE_CONFIG:-{\"cuda_graphs\": true, \"compile_layers\": true\}}" > "$OUT/rollout${PROBE_NAME:-}_$dtype.log" 2>&1
+      grep -v -i "warn\|loading\|convert\|writing" "$OUT/rollout${PROBE_NAME:-}_$dtype.log" | cut -c1-160 | tail -45
     done
     ;;
   *) echo "unknown step $step"; exit 2 ;;
