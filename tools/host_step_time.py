@@ -31,9 +31,9 @@ def free_decode_forwards(vocab_size: int) -> None:
     """Unscored decode forwards return zero logits at once; everything else runs the model."""
     real = model_runner.ModelRunner.forward
 
-    def forward(self, input_ids, plan, keep=None, bucket_floor=0):
+    def forward(self, input_ids, plan, keep=None, bucket_floor=0, precision="highest"):
         if keep is not None or plan.dense is None or plan.dense.score_starts is not None:
-            return real(self, input_ids, plan, keep, bucket_floor)
+            return real(self, input_ids, plan, keep, bucket_floor, precision)
         return torch.zeros(input_ids.shape[0], vocab_size)
 
     model_runner.ModelRunner.forward = forward
