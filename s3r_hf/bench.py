@@ -238,7 +238,8 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
     context = seq + args.max_new_tokens // 2  # where the floors are taken: the middle of the decoding
     point = {"model": name, "batch": batch, "requests": requests, "seq": seq, "max_new_tokens": args.max_new_tokens,
              "cuda_graphs": args.cuda_graphs, "compile_layers": args.compile_layers,
-             "fused_layers": args.fused_layers, "floor_ms": floor_ms(model, batch, context, bandwidth),
+             "fused_layers": args.fused_layers, "draft_matmul_precision": args.draft_matmul_precision,
+             "floor_ms": floor_ms(model, batch, context, bandwidth),
              "acceptance_forced": args.acceptance,
              "prompt_source": args.prompt_source if tokenizer is not None else "random tokens",
              "prompt_text_repeats": repeats}
@@ -246,7 +247,7 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
     base = S3RConfig(draft_len=args.draft_len, min_budget=args.min_budget, page_size=16,
                      prefill_chunk_size=args.prefill_chunk, cuda_graphs=args.cuda_graphs,
                      compile_layers=args.compile_layers, fused_layers=args.fused_layers, concurrency_min=batch,
-                     concurrency_max=batch)
+                     concurrency_max=batch, draft_matmul_precision=args.draft_matmul_precision)
     if args.warmup:
         # First-use costs (compilation of new shape classes, Triton compilation, allocator growth) fall here, not
         # in a timed call: without it the first call of a process is markedly slower than a repeat of it.
@@ -390,6 +391,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fused-layers", action="store_true",
                         help="run decode-shaped forwards through the fused decoder-layer kernels "
                         "(S3RConfig.fused_layers; Llama-family models with a head dimension of 32 or more)")
+    parser.add_argument("--draft-matmul-precision", choices=["high", "highest"], default="high",
+                        help="float32 models on CUDA: the draft passes' matmuls on TF32 tensor cores (high) or in full "
+                        "float32 (highest); S3RConfig.draft_matmul_precision (%(default)s)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the short untimed AR and S3R calls that compile and autotune before each point")
     parser.add_argument("--stages", action="store_true",

@@ -496,7 +496,8 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "prompt, every generate call timed whole, for each mode. Shared flags: --model, --max-new-tokens, "
         "--draft-len, --budget and --refresh-interval (one value each), --min-budget, --prefill-chunk, --acceptance "
         "(random shapes), --seq (random shapes' prompt length), --data, --dataset, --split, --dtype, --device, "
-        "--cuda-graphs, --compile-layers, --fused-layers, --stages, --skip-generate, --json, --plot.",
+        "--cuda-graphs, --compile-layers, --fused-layers, --draft-matmul-precision, --stages, --skip-generate, "
+        "--json, --plot.",
     )
     group.add_argument("--rollout", action="store_true", help="run the rollout benchmark instead of the decode grid")
     group.add_argument("--prompts", type=int, default=8, help="distinct prompts per batch (%(default)s)")
@@ -558,7 +559,7 @@ def rollout_settings(args: argparse.Namespace) -> dict[str, Any]:
             draft_len=args.draft_len, budget_ratio=_single(args.budget, "--budget", float), min_budget=args.min_budget,
             refresh_interval=_single(args.refresh_interval, "--refresh-interval", refresh_interval_arg),
             prefill_chunk_size=args.prefill_chunk, cuda_graphs=args.cuda_graphs, compile_layers=args.compile_layers,
-            fused_layers=args.fused_layers,
+            fused_layers=args.fused_layers, draft_matmul_precision=args.draft_matmul_precision,
         )
     except ValueError as error:
         raise RolloutUsageError(str(error)) from error

@@ -147,6 +147,9 @@ def test_presets_modes_and_lengths_resolve():
         "max_new_tokens"] == 7
     settings = rollout_settings(parse("--model", "qwen3-tiny", "--skip-generate", "--seq", "64,128"))
     assert settings["modes"] == ["ar", "s3r-fixed", "s3r-adaptive"] and settings["seqs"] == [64, 128]
+    assert settings["s3r_config"].draft_matmul_precision == "high"  # the library's default
+    settings = rollout_settings(parse("--model", "qwen3-tiny", "--draft-matmul-precision", "highest"))
+    assert settings["s3r_config"].draft_matmul_precision == "highest"
 
 
 @pytest.mark.parametrize("flags, message", [
