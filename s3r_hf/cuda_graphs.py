@@ -14,9 +14,11 @@ Buckets: a step replays the smallest bucket already captured that holds its rows
 than `REUSE_FACTOR` times the bucket the rows would need (then the smaller one is captured). Padding rows cost
 little next to the weights every step reads, and each capture costs a warm-up run and a capture, so a batch
 that shrinks as requests finish captures about two buckets per kind instead of one per size. In a call whose
-graphs were kept from an earlier one (`replay_larger`), any larger captured bucket is replayed instead: which
-row counts a sampled rollout's tail reaches changes from call to call, and a capture there costs more than the
-padding rows of the tail's few steps (docs/benchmarks.md). There is no bucket of one row: torch.compile
+graphs were kept from an earlier one (`replay_larger`), a larger captured bucket is also replayed while its
+forward holds at most `REPLAY_LARGER_TOKENS` tokens, padding included: which row counts a sampled rollout's tail
+reaches changes from call to call, and a capture there costs more than the padding rows of a short tail. Beyond
+that size the padding adds GEMM work to every step of the tail, in every later call, where a capture is made
+once. There is no bucket of one row: torch.compile
 specializes a dimension of size 1, so with compiled layers the first step down to one request would compile every
 layer's frames again, in whichever call (a later GRPO step) a tail first gets there. A padding row costs a
 one-request step nothing measurable (both read the same weights).
@@ -42,6 +44,11 @@ logger = logging.get_logger(__name__)
 
 BUCKETS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 REUSE_FACTOR = 4
+REPLAY_LARGER_TOKENS = 256
+"""Most tokens a forward of a kept graph may hold, padding included, for a later call to replay it at fewer rows
+(`DecodeGraphs.replay_larger`). Up to about this many, a decode-shaped forward's GEMMs cost what reading their
+weights costs (bf16 on an H200), so padding rows are nearly free; a verify graph of 256 requests holds seven times
+as many tokens."""
 # Kinds whose steps pack several queries per request as segments (their buckets count requests, not tokens).
 _BLOCK_KINDS = ("verify", "block")
 
@@ -202,14 +209,19 @@ class DecodeGraphs:
 
     def _key(self, kind: str, rows: int, capacity: int, width: int = 1, variant: tuple | None = None) -> tuple:
         """`(kind, bucket, capacity, width, variant)` to replay for `rows` rows: a captured bucket up to
-        `REUSE_FACTOR` times too large (any larger one with `replay_larger`), else the smallest that fits."""
+        `REUSE_FACTOR` times too large (with `replay_larger`, also a larger one whose forward holds at most
+        `REPLAY_LARGER_TOKENS` tokens), else the smallest that fits."""
         rows = min(rows, BUCKETS[-1])
         ideal = next(b for b in BUCKETS if b >= rows)
         captured = sorted(
             k[1] for k in self.steps
             if k[0] == kind and k[2] == capacity and k[3] == width and k[4] == variant and k[1] >= rows
         )
-        reusable = captured and (self.replay_larger or captured[0] <= REUSE_FACTOR * ideal)
+        tokens_per_row = width if kind in _BLOCK_KINDS else 1  # a draft phase's width counts passes, not tokens
+        reusable = captured and (
+            captured[0] <= REUSE_FACTOR * ideal
+            or (self.replay_larger and captured[0] * tokens_per_row <= REPLAY_LARGER_TOKENS)
+        )
         bucket = captured[0] if reusable else ideal
         return (kind, bucket, capacity, width, variant)
 

@@ -38,8 +38,9 @@ def test_which_steps_are_graphed():
 
 def test_buckets_captured_in_a_call_and_replayed_by_later_calls():
     """Within a call a step replays a captured bucket up to `REUSE_FACTOR` times its own and captures a smaller one
-    beyond; a later call (graphs kept) replays any larger captured bucket, so a tail reaching fewer rows than the
-    first call's captures no graph."""
+    beyond; a later call (graphs kept) replays a larger captured bucket of up to `REPLAY_LARGER_TOKENS` tokens, so a
+    tail reaching fewer rows than the first call's captures no graph, unless the padding would cost compute on
+    every step of it (a wide verify graph)."""
     graphs = DecodeGraphs(SimpleNamespace(page_size=4), forward=None, max_pages=8, draft_len=6, max_candidates=16)
     graphs.steps[graphs._key("dense", 32, 0)] = None  # captured at 32 rows
     assert graphs._key("dense", 20, 0)[1] == 32
@@ -47,11 +48,18 @@ def test_buckets_captured_in_a_call_and_replayed_by_later_calls():
     assert graphs._key("dense", 3, 0)[1] == 4  # 32 > 4 x 4: a smaller bucket is captured
     assert graphs._key("dense", 40, 0)[1] == 48  # nothing captured holds 40 rows
     assert graphs._key("verify", 3, 0, width=7)[1] == 4  # other kinds and widths are other graphs
+    graphs.steps[graphs._key("verify", 32, 0, width=7)] = None  # 224 tokens
+    graphs.steps[graphs._key("block", 64, 0, width=7)] = None  # 448 tokens
+    graphs.steps[graphs._key("draft", 256, 0, width=6)] = None  # six passes of 256 rows
+    assert graphs._key("verify", 3, 0, width=7)[1] == 4
     graphs.replay_larger = True
     assert graphs._key("dense", 3, 0)[1] == 32
     assert graphs._key("dense", 1, 0)[1] == 32
     assert graphs._key("dense", 40, 0)[1] == 48
-    assert graphs._key("verify", 3, 0, width=7)[1] == 4
+    assert graphs._key("verify", 3, 0, width=7)[1] == 32  # 224 <= REPLAY_LARGER_TOKENS
+    assert graphs._key("block", 3, 0, width=7)[1] == 4  # 448 tokens on every tail step: capture a smaller one
+    assert graphs._key("block", 20, 0, width=7)[1] == 64  # within REUSE_FACTOR, as in any call
+    assert graphs._key("draft", 3, 0, width=6)[1] == 256
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
