@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,37 @@ def _paged_setup(
     return key_pool, value_pool, block_tables, heads, kv_heads, dim
 
 
+class StepMetadata(NamedTuple):
+    """One layer's kernel metadata at context `seq`: a decode step (one query per request), a verify block of
+    `block` queries per request (scored from its first), and sparse decode over `view_keys`-key index views with
+    the block's provisional tail, as the engine's plans hold it: in int32 (int64 would time a conversion kernel
+    with every launch, several microseconds next to a sparse kernel's few)."""
+
+    decode_cu: torch.Tensor
+    decode_positions: torch.Tensor
+    verify_cu: torch.Tensor
+    verify_positions: torch.Tensor
+    score_starts: torch.Tensor
+    view_lens: torch.Tensor
+    tail_starts: torch.Tensor
+    sparse_positions: torch.Tensor
+
+
+def step_metadata(batch: int, seq: int, block: int, view_keys: int) -> StepMetadata:
+    int32 = dict(dtype=torch.int32, device="cuda")
+    tails = torch.full((batch,), seq - block, **int32)
+    return StepMetadata(
+        decode_cu=torch.arange(batch + 1, **int32),
+        decode_positions=torch.full((batch,), seq - 1, **int32),
+        verify_cu=torch.arange(0, batch * block + 1, block, **int32),
+        verify_positions=torch.cat([torch.arange(seq - block, seq) for _ in range(batch)]).to(**int32),
+        score_starts=torch.zeros(batch, **int32),
+        view_lens=torch.full((batch,), view_keys, **int32),
+        tail_starts=tails,
+        sparse_positions=tails + 2,
+    )
+
+
 def check_correctness(triton_backend, generator: torch.Generator) -> dict:
     """Max abs differences Triton vs reference at a moderate shape, fp32 and bf16."""
     results = {}
@@ -133,34 +165,25 @@ def _bench_point(triton_backend, batch: int, seq: int, bandwidth: float, generat
     kv_bytes = 2 * batch * seq * kv_heads * dim * key_pool.element_size()
     floor_ms = kv_bytes / bandwidth * 1e3
 
-    # Metadata in int32, as the engine's plans hold it: int64 would time a conversion kernel with every launch.
-    int32 = dict(dtype=torch.int32, device="cuda")
+    budget = math.ceil(ratio * seq)
+    cu1, pos1, cuv, posv, starts, lens, tails, pos_s = step_metadata(batch, seq, block, budget)
     # Dense decode: one query per request at position seq-1.
     q1 = torch.randn(batch, heads, dim, device="cuda", dtype=dtype, generator=generator)
-    cu1 = torch.arange(batch + 1, **int32)
-    pos1 = torch.full((batch,), seq - 1, **int32)
     decode_hints = dict(max_query_len=1, max_context=seq)
     dense_ms = _time_ms(lambda: triton_backend.paged_dense_attention(q1, key_pool, value_pool, tables, cu1, pos1,
                                                                      scale, **decode_hints))
     # Verify block: k+1 queries per request, scored.
     qv = torch.randn(batch * block, heads, dim, device="cuda", dtype=dtype, generator=generator)
-    cuv = torch.arange(0, batch * block + 1, block, **int32)
-    posv = torch.cat([torch.arange(seq - block, seq) for _ in range(batch)]).to(**int32)
-    starts = torch.zeros(batch, **int32)
     hints = dict(max_query_len=block, max_context=seq, max_scored_queries=block)
     verify_ms = _time_ms(lambda: triton_backend.paged_dense_attention(qv, key_pool, value_pool, tables, cuv, posv,
                                                                       scale, starts, **hints))
     verify_plain_ms = _time_ms(lambda: triton_backend.paged_dense_attention(qv, key_pool, value_pool, tables, cuv,
                                                                             posv, scale, **hints))
     _, _, scores = triton_backend.paged_dense_attention(qv, key_pool, value_pool, tables, cuv, posv, scale, starts)
-    budget = math.ceil(ratio * seq)
     history = torch.full((batch,), seq - block, device="cuda")
     topk_ms = _time_ms(lambda: triton_backend.select_topk_candidates(scores, history, budget))
     # Sparse decode over a 5% view (+ 3 provisional tail positions).
     view = triton_backend.select_topk_candidates(scores, history, budget).sort(dim=-1).values.int()
-    lens = torch.full((batch,), budget, **int32)
-    tails = torch.full((batch,), seq - block, **int32)
-    pos_s = tails + 2
     sparse_ms = _time_ms(lambda: triton_backend.paged_sparse_attention(q1, key_pool, value_pool, tables, view, lens,
                                                                        tails, pos_s, scale, max_keys=budget + 3))
     # Baselines on contiguous tensors: SDPA dense, and gather + SDPA over the same 5%.

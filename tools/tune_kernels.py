@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from s3r_hf.bench_kernels import _paged_setup, copy_bandwidth, graph_ms
+from s3r_hf.bench_kernels import _paged_setup, copy_bandwidth, graph_ms, step_metadata
 from s3r_hf.kernels import reference, triton_backend
 
 SHAPES = {
@@ -58,23 +58,13 @@ def tune_point(
     scale = dim**-0.5
     kv_bytes = 2 * batch * seq * kv_heads * dim * key_pool.element_size()
     budget = min(seq - BLOCK, max(min_budget, math.ceil(0.05 * seq)))
-    # Metadata in int32, as the engine's plans hold it: other dtypes would add a conversion kernel per launch to the
-    # times (several microseconds next to a sparse kernel's few).
-    int32 = dict(dtype=torch.int32, device="cuda")
+    cu1, pos1, cuv, posv, starts, lens, tails, pos_s = step_metadata(batch, seq, BLOCK, budget)
     q1 = torch.randn(batch, heads, dim, device="cuda", dtype=dtype, generator=generator)
-    cu1 = torch.arange(batch + 1, **int32)
-    pos1 = torch.full((batch,), seq - 1, **int32)
     qv = torch.randn(batch * BLOCK, heads, dim, device="cuda", dtype=dtype, generator=generator)
-    cuv = torch.arange(0, batch * BLOCK + 1, BLOCK, **int32)
-    posv = torch.cat([torch.arange(seq - BLOCK, seq) for _ in range(batch)]).to(**int32)
-    starts = torch.zeros(batch, **int32)
     view = torch.stack([
         torch.randperm(seq - BLOCK, device="cuda", generator=generator)[:budget].sort().values
         for _ in range(batch * kv_heads)
     ]).view(batch, kv_heads, budget).int()
-    lens = torch.full((batch,), budget, **int32)
-    tails = torch.full((batch,), seq - BLOCK, **int32)
-    pos_s = tails + 2
 
     kernels = {
         "dense": (lambda splits: triton_backend.paged_dense_attention(
