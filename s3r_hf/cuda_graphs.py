@@ -18,10 +18,9 @@ graphs were kept from an earlier one (`replay_larger`), a larger captured bucket
 forward holds at most `REPLAY_LARGER_TOKENS` tokens, padding included: which row counts a sampled rollout's tail
 reaches changes from call to call, and a capture there costs more than the padding rows of a short tail. Beyond
 that size the padding adds GEMM work to every step of the tail, in every later call, where a capture is made
-once. There is no bucket of one row: torch.compile
-specializes a dimension of size 1, so with compiled layers the first step down to one request would compile every
-layer's frames again, in whichever call (a later GRPO step) a tail first gets there. A padding row costs a
-one-request step nothing measurable (both read the same weights).
+once. There is no bucket of one row: torch.compile specializes a dimension of size 1, so with compiled layers the
+first step down to one request would compile every layer's frames again, in whichever call (a later GRPO step) a
+tail first gets there. A padding row costs a one-request step nothing measurable (both read the same weights).
 """
 
 from __future__ import annotations
@@ -89,7 +88,8 @@ class DecodeGraphs:
         self.steps: dict[tuple, _CapturedStep | _CapturedDraftPhase] = {}
         self.replays = 0
         self.captures = 0
-        # Set for each call (the engine): replay any larger captured bucket rather than capture a smaller one.
+        # Set for each call (the engine): graphs kept from an earlier call, so a larger captured bucket is replayed
+        # rather than a smaller one captured, within `REPLAY_LARGER_TOKENS`.
         self.replay_larger = False
         self.capture_seconds = 0.0  # wall time spent capturing (device-synchronized)
         self.capture_log: list[str] = []  # one entry per capture, in order: what was captured and how long it took
@@ -141,8 +141,7 @@ class DecodeGraphs:
             self._drop_stale(kind, key)
             step = self._static_step(kind, key[1], width)
             self._fill(kind, step, input_ids, plan, count)
-            with float32_matmul_precision(precision):
-                step.graph, step.logits = self._capture(lambda: self.forward(step.input_ids, step.plan), key)
+            step.graph, step.logits = self._capture(lambda: self.forward(step.input_ids, step.plan), key, precision)
             self.steps[key] = step
         else:
             self._fill(kind, step, input_ids, plan, count)
@@ -182,10 +181,9 @@ class DecodeGraphs:
             draw_noise(captured.inputs.noise, generator)
         if fresh:
             static = captured.inputs
-            with float32_matmul_precision(precision):
-                captured.graph, captured.outputs = self._capture(
-                    lambda: phase(static, capacity, num_splits=1, passes=passes), key
-                )
+            captured.graph, captured.outputs = self._capture(
+                lambda: phase(static, capacity, num_splits=1, passes=passes), key, precision
+            )
             self.steps[key] = captured
         captured.graph.replay()
         self.replays += 1
@@ -324,8 +322,9 @@ class DecodeGraphs:
             target.tail_starts[:count].copy_(source.tail_starts)
             target.tail_starts[count:].zero_()
 
-    def _capture(self, program: Callable, key: tuple):
-        """Capture `program()` (after one warm-up run, see `capture_graph`) and return `(graph, its outputs)`;
+    def _capture(self, program: Callable, key: tuple, precision: str = "highest"):
+        """Capture `program()` (after one warm-up run, see `capture_graph`) with float32 matmuls at `precision`
+        (`float32_matmul_precision`; the graph keeps the kernels chosen then) and return `(graph, its outputs)`;
         `key` (see `_key`) names it in the log.
 
         The warm-up sees the same inputs the replay will see, so the K/V it writes are the ones the replay writes
@@ -337,7 +336,8 @@ class DecodeGraphs:
         # outputs in an earlier graph's scratch memory, which is safe only if they replay in capture order; a round
         # reads its draft phase's outputs after the verify graph has replayed, and the early draft launch captures
         # new draft buckets after verify buckets, so with a shared pool a verify replay could overwrite the drafts.
-        graph, outputs = capture_graph(program)
+        with float32_matmul_precision(precision):
+            graph, outputs = capture_graph(program)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         self.captures += 1
