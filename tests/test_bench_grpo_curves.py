@@ -91,6 +91,18 @@ def test_warm_steps_are_compared_with_their_median_in_seconds_and_per_token():
     assert "s3r: warm steps within +25% / -17% of their median step time" in table
 
 
+def test_modes_are_compared_by_tokens_per_second_and_by_seconds_per_step():
+    bench = bench_grpo()
+    fast = {"generate_tokens_per_second_warm": 900.0, "step_tokens_per_second_warm": 600.0,
+            "generate_seconds_warm": 9.0, "step_seconds_warm": 12.0}
+    slow = {"generate_tokens_per_second_warm": 1000.0, "step_tokens_per_second_warm": 640.0,
+            "generate_seconds_warm": 10.0, "step_seconds_warm": 13.2}
+    table = bench.markdown_table([{"mode": "s3r", "status": "ok", "summary": fast},
+                                  {"mode": "engine-ar", "status": "ok", "summary": slow}])
+    assert "s3r vs engine-ar (what speculation adds to the engine; warm steps, tokens/s): generation x0.90" in table
+    assert "s3r vs engine-ar (seconds per warm step): generation x1.11, whole step x1.10" in table
+
+
 def test_runs_go_one_per_device_at_a_time(monkeypatch):
     bench = bench_grpo()
     placed, running, most = [], [0], [0]

@@ -521,6 +521,14 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
             continue  # one of the two modes did not run
         lines.append(f"\n{faster} vs {base} ({meaning}; warm steps, tokens/s): generation x{_fmt(ratios[0])}, "
                      f"whole step x{_fmt(ratios[1])}")
+        # Where the longest responses reach the cap every step lasts as many engine steps whatever the others
+        # drew, so seconds per step compare the modes more steadily than tokens per second.
+        by_time = []
+        for key in ("generate_seconds_warm", "step_seconds_warm"):
+            fast, slow = _mode_mean(results, faster, key), _mode_mean(results, base, key)
+            by_time.append(slow / fast if fast else math.nan)
+        lines.append(f"{faster} vs {base} (seconds per warm step): generation x{_fmt(by_time[0])}, "
+                     f"whole step x{_fmt(by_time[1])}")
     for result, label in zip(results, run_labels(results)):
         s = result.get("summary", {})
         if "warm_step_worst_over_median" in s:
