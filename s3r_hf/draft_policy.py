@@ -43,6 +43,9 @@ refresh, while what a skipped refresh saves stays the same, so long intervals ga
 SWITCH_COST = 2.0
 """Dense-step times a probe's two switches cost on top of its rounds: a refresh step before drafting, and a round
 whose successor was not launched early."""
+NEIGHBOUR_RATIO_SPREAD = 2.0
+"""How far a round's cost over a dense step's may move between batch sizes: launch-bound at a few rows, bandwidth-
+bound at many. A new bucket whose neighbour at another batch size chose by less probes soon instead of trusting it."""
 
 
 @dataclass(frozen=True)
@@ -545,11 +548,17 @@ class AdaptiveDraftLength:
         if bucket is None:
             # A new bucket (the batch shrank, contexts grew) starts from its nearest neighbour's choices and as
             # confident in them: where the neighbour's probes kept confirming them, the first probe here waits as
-            # long.
+            # long. Except where the batch size differs and the neighbour's choice wins by less than
+            # `NEIGHBOUR_RATIO_SPREAD`: a dense step and a round scale differently with rows (at a rollout's last
+            # few rows both are launch-bound), so that choice may not hold here, and such a bucket (the tail) may
+            # live too few rounds per call to reach the neighbour's gap. It probes after `min_probe_gap` rounds.
             gap, choice, interval, interval_gap = self.min_probe_gap, None, self.refresh_intervals[0], 0
             if self.buckets:
-                nearest = self._nearest(key)[0]
-                gap, choice = max(gap, nearest.probe_gap), nearest.choice
+                nearest_key = min(self.buckets, key=lambda b: abs(b[0] - key[0]) + abs(b[1] - key[1]))
+                nearest = self.buckets[nearest_key]
+                choice = nearest.choice
+                if nearest_key[0] == key[0] or not self._near_break_even(key, choice):
+                    gap = max(gap, nearest.probe_gap)
                 interval, interval_gap = nearest.interval, nearest.interval_probe_gap
             interval_gap = max(self.min_probe_gap, interval_gap)
             bucket = self.buckets[key] = _BucketCosts(
@@ -558,6 +567,14 @@ class AdaptiveDraftLength:
             )
             self._nearest_buckets.clear()
         return bucket
+
+
+    def _near_break_even(self, key: tuple[int, int], choice: int | None) -> bool:
+        """Whether another length comes within `NEIGHBOUR_RATIO_SPREAD` of `choice` by the estimates for `key`."""
+        values = {k: value for k in self.lengths if (value := self._value(key, k)) is not None}
+        if choice not in values:
+            return True
+        return any(value[0] * NEIGHBOUR_RATIO_SPREAD >= values[choice][0] for k, value in values.items() if k != choice)
 
 
 def adaptive_for(max_draft_len: int, refresh_interval: int | None = None) -> AdaptiveDraftLength:

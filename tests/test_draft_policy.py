@@ -77,6 +77,22 @@ def test_a_new_bucket_starts_from_its_neighbours_estimate():
     assert policy.choose(tail) == 0
 
 
+def test_a_new_bucket_of_fewer_rows_probes_soon_and_one_of_longer_contexts_waits():
+    """Drafting narrowly loses at 64 rows, so probes there grow far apart. At a rollout's tail (3 rows) a round
+    costs fewer dense steps: the tail's bucket probes within `min_probe_gap` rounds and finds it, where the
+    neighbour's gap would outlast the tail. Contexts growing at the same rows keep the neighbour's confidence."""
+    costs = {SHAPE.bucket: lambda k: TOKENS / 0.8 if k else 1.0}
+    tail, longer = RoundShape(rows=3, context=4096), RoundShape(rows=64, context=8192)
+    costs[tail.bucket] = lambda k: TOKENS / 1.5 if k else 1.0
+    costs[longer.bucket] = costs[SHAPE.bucket]
+    for shape, drafts in ((tail, True), (longer, False)):
+        policy = AdaptiveDraftLength(6, lengths=(0, 6))
+        _drive(policy, costs[SHAPE.bucket], alpha=ALPHA, rounds=3000)
+        assert policy.buckets[SHAPE.bucket].probe_gap > 100
+        choices = _drive(policy, costs[shape.bucket], alpha=ALPHA, rounds=60, shape=shape, seed=1)
+        assert (choices[-20:].count(6) >= 18) if drafts else (choices.count(6) == 0), shape
+
+
 def test_costs_ignore_a_single_outlier():
     policy = AdaptiveDraftLength(6)
     for seconds in (2.0, 50.0, 2.2, 1.8):  # a recompilation slipped into one sample
