@@ -47,17 +47,20 @@ def test_buckets_captured_in_a_call_and_replayed_by_later_calls():
     assert graphs._key("dense", 8, 0)[1] == 32  # 32 <= 4 x 8
     assert graphs._key("dense", 3, 0)[1] == 4  # 32 > 4 x 4: a smaller bucket is captured
     assert graphs._key("dense", 40, 0)[1] == 48  # nothing captured holds 40 rows
-    assert graphs._key("verify", 3, 0, width=7)[1] == 4  # other kinds and widths are other graphs
+    # Other kinds and widths are other graphs; a tail's verify block is captured at the widest bucket within
+    # REPLAY_LARGER_TOKENS (32 x 7 = 224 tokens), so that every smaller tail replays it.
+    assert graphs._key("verify", 3, 0, width=7)[1] == 32
+    assert graphs._key("verify", 40, 0, width=7)[1] == 48  # 48 x 7 tokens: the bucket its rows need
     graphs.steps[graphs._key("verify", 32, 0, width=7)] = None  # 224 tokens
     graphs.steps[graphs._key("block", 64, 0, width=7)] = None  # 448 tokens
     graphs.steps[graphs._key("draft", 256, 0, width=6)] = None  # six passes of 256 rows
-    assert graphs._key("verify", 3, 0, width=7)[1] == 4
+    assert graphs._key("verify", 3, 0, width=7)[1] == 32
     graphs.replay_larger = True
     assert graphs._key("dense", 3, 0)[1] == 32
     assert graphs._key("dense", 1, 0)[1] == 32
     assert graphs._key("dense", 40, 0)[1] == 48
     assert graphs._key("verify", 3, 0, width=7)[1] == 32  # 224 <= REPLAY_LARGER_TOKENS
-    assert graphs._key("block", 3, 0, width=7)[1] == 4  # 448 tokens on every tail step: capture a smaller one
+    assert graphs._key("block", 3, 0, width=7)[1] == 32  # 448 tokens on every tail step: capture 224
     assert graphs._key("block", 20, 0, width=7)[1] == 64  # within REUSE_FACTOR, as in any call
     assert graphs._key("draft", 3, 0, width=6)[1] == 256
 
