@@ -18,11 +18,11 @@ graphs were kept from an earlier one (`replay_larger`), a larger captured bucket
 forward holds at most `REPLAY_LARGER_TOKENS` tokens, padding included: which row counts a sampled rollout's tail
 reaches changes from call to call, and a capture there costs more than the padding rows of a short tail. Beyond
 that size the padding adds GEMM work to every step of the tail, in every later call, where a capture is made
-once. For the same reason a verify block whose forward would hold at most that many tokens is captured at the
-widest bucket that does (32 requests of 7 tokens): a later call's tail may draft at row counts the first never
-reached, and one graph serves them all. There is no bucket of one row: torch.compile specializes a dimension of
-size 1, so with compiled layers the first step down to one request would compile every layer's frames again, in
-whichever call (a later GRPO step) a tail first gets there. A padding row costs a one-request step nothing
+once. For the same reason a verify block of drafts whose forward would hold at most that many tokens is captured
+at the widest bucket that does (32 requests of 7 tokens): a later call's tail may draft at row counts the first
+never reached, and one graph serves them all. There is no bucket of one row: torch.compile specializes a dimension
+of size 1, so with compiled layers the first step down to one request would compile every layer's frames again,
+in whichever call (a later GRPO step) a tail first gets there. A padding row costs a one-request step nothing
 measurable (both read the same weights).
 """
 
@@ -224,9 +224,11 @@ class DecodeGraphs:
             or (self.replay_larger and captured[0] * tokens_per_row <= REPLAY_LARGER_TOKENS)
         )
         bucket = captured[0] if reusable else ideal
-        if not reusable and kind in _BLOCK_KINDS and ideal * width <= REPLAY_LARGER_TOKENS:
+        if not reusable and kind in _BLOCK_KINDS and width > 1 and ideal * width <= REPLAY_LARGER_TOKENS:
             # A tail's verify block: capture the widest bucket whose forward still holds at most
-            # `REPLAY_LARGER_TOKENS` tokens, so every smaller tail, in this call or a later one, replays it.
+            # `REPLAY_LARGER_TOKENS` tokens, so every smaller tail, in this call or a later one, replays it. (Not
+            # a one-query refresh step: that bucket would be 256 requests, and a scored graph keeps a score
+            # scratch per request as long as the longest context.)
             bucket = max(b for b in BUCKETS if b * width <= REPLAY_LARGER_TOKENS)
         return (kind, bucket, capacity, width, variant)
 

@@ -51,6 +51,7 @@ def test_buckets_captured_in_a_call_and_replayed_by_later_calls():
     # REPLAY_LARGER_TOKENS (32 x 7 = 224 tokens), so that every smaller tail replays it.
     assert graphs._key("verify", 3, 0, width=7)[1] == 32
     assert graphs._key("verify", 40, 0, width=7)[1] == 48  # 48 x 7 tokens: the bucket its rows need
+    assert graphs._key("verify", 3, 0, width=1)[1] == 4  # a refresh step: the bucket its rows need
     graphs.steps[graphs._key("verify", 32, 0, width=7)] = None  # 224 tokens
     graphs.steps[graphs._key("block", 64, 0, width=7)] = None  # 448 tokens
     graphs.steps[graphs._key("draft", 256, 0, width=6)] = None  # six passes of 256 rows
