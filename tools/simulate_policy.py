@@ -1,8 +1,10 @@
 """The adaptive draft-length rule on a simulated rollout: how much slower than pure dense decoding (or faster) it is.
 
-A rollout call of `--batch` responses, each of a sampled length (a fifth run to `--max-new-tokens`, the rest are
-uniform below it, as SmolLM2's MATH rollouts roughly do), decoded step by step: a dense step costs `--dense-ms`
-and commits one token per running request, a drafting round costs `--round-ms` and commits 1 + the drafts kept
+A rollout call of `--batch` responses, each of a sampled length (a share `--capped-share`, by default a fifth, run to
+`--max-new-tokens`, the rest are uniform below it, as SmolLM2's MATH rollouts roughly do), decoded step by step: a
+dense step costs `--dense-ms` and commits one token per running request, a drafting round costs `--round-ms` (or
+`--tail-round-ms` while at most `--tail-rows` requests run: at a few rows both kinds of step are launch-bound, and
+a round costs fewer dense steps than at many) and commits 1 + the drafts kept
 (each with probability `--alpha` until the first rejection), a refresh step before drafting costs `--refresh-ms`,
 and the first dense step after drafting `--switch-back-ms` more. The rule sees the round costs the engine would
 report (rounds that follow a round of the same length) and the acceptance of every drafting round, and keeps what
@@ -10,6 +12,8 @@ it learned from call to call, as the engine's kept state does. Costs get ±10% n
 
     python tools/simulate_policy.py --round-ms 7.9     # SmolLM2 B=64 in bf16: drafting near break-even
     python tools/simulate_policy.py --dense-ms 3 --round-ms 90 --batch 32 --max-new-tokens 4096   # fp32
+    python tools/simulate_policy.py --dense-ms 3 --round-ms 20 --tail-rows 32 --tail-round-ms 11 --alpha 0.85 \
+        --batch 256 --max-new-tokens 4096 --capped-share 0.02     # SmolLM2 B=256, bf16: drafting pays in the tail
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ def simulate(policy, lengths: list[int], args: argparse.Namespace, rng: random.R
             contexts = [c + 1 for c in contexts]
             stale = False
         if k:
-            cost = args.round_ms / 1e3 * noise
+            round_ms = args.tail_round_ms if len(remaining) <= args.tail_rows else args.round_ms
+            cost = round_ms / 1e3 * noise
             kept = []
             for _ in remaining:
                 n = 0
@@ -73,18 +78,26 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=2048)
     parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--tail-rows", type=int, default=0)
+    parser.add_argument("--tail-round-ms", type=float, default=None, help="default: --round-ms")
+    parser.add_argument("--capped-share", type=float, default=0.2,
+                        help="share of the responses that run to --max-new-tokens")
     parser.add_argument("--calls", type=int, default=6)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--switch-margin", type=float, default=None,
                         help="AdaptiveDraftLength.switch_margin (default: the rule's own)")
     args = parser.parse_args()
+    if args.tail_round_ms is None:
+        args.tail_round_ms = args.round_ms
     rng = random.Random(args.seed)
     policy = adaptive_for(args.draft_len)
     if args.switch_margin is not None:
         policy.switch_margin = args.switch_margin
     for call in range(args.calls):
-        lengths = [args.max_new_tokens if rng.random() < 0.2 else rng.randint(100, args.max_new_tokens - 200)
-                   for _ in range(args.batch)]
+        lengths = [
+            args.max_new_tokens if rng.random() < args.capped_share else rng.randint(100, args.max_new_tokens - 200)
+            for _ in range(args.batch)
+        ]
         adaptive, drafting = simulate(policy, lengths, args, rng)
         dense, _ = simulate(None, lengths, args, rng)
         print(f"call {call + 1}: adaptive {adaptive:.3f} s, dense {dense:.3f} s, adaptive ÷ dense speed "
