@@ -568,7 +568,6 @@ class AdaptiveDraftLength:
             self._nearest_buckets.clear()
         return bucket
 
-
     def _near_break_even(self, key: tuple[int, int], choice: int | None) -> bool:
         """Whether another length comes within `NEIGHBOUR_RATIO_SPREAD` of `choice` by the estimates for `key`."""
         values = {k: value for k in self.lengths if (value := self._value(key, k)) is not None}
