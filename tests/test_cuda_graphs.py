@@ -85,3 +85,25 @@ def test_greedy_with_cuda_graphs_matches_dense_on_cuda():
     extended = model.generate(input_ids, s3r_config=S3RConfig(**{**config.to_dict(), "refresh_interval": 2}),
                               **kwargs)
     assert torch.equal(extended, dense)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_later_calls_drafting_at_fewer_rows_share_one_tail_verify_graph():
+    """A first call verifies 40 requests' blocks of 7 tokens (a graph of 48 requests, 336 tokens: too wide to replay
+    for a few rows). A later call that drafts at 2 rows captures the verify graph of 32 requests, the widest within
+    `REPLAY_LARGER_TOKENS`, and a call at 8 rows replays it instead of capturing its own. The acceptance is forced
+    to 1 so that every row of a call finishes in the same round (no call reaches fewer rows than it starts with)."""
+    model = s3r_hf.enable(tiny_model("qwen3", seed=33).cuda())
+    config = S3RConfig(adaptive=False, draft_len=6, budget_ratio=0.1, min_budget=2, page_size=4, cuda_graphs=True)
+
+    def captures(rows: int, seed: int) -> list[str]:
+        input_ids, attention_mask = (t.cuda() for t in left_padded_batch([12] * rows, seed=seed))
+        out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=15,
+                             eos_token_id=None, s3r_config=config, s3r_forced_acceptance=1.0,
+                             return_dict_in_generate=True)
+        return [graph.split(" (")[0] for graph in out.s3r_stats.captured_graphs]
+
+    assert "verify 48x7" in captures(40, seed=34)
+    assert captures(2, seed=35) == ["verify 32x7"]
+    assert captures(8, seed=36) == []
+    s3r_hf.release(model)
