@@ -212,7 +212,7 @@ def test_the_forecast_moves_fewer_pages_than_admitting_whatever_fits():
     spec = importlib.util.spec_from_file_location("simulate_paging", SIMULATOR)
     simulator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(simulator)
-    args = Namespace(requests=96, prompt_len=16, mean_length=96, max_new_tokens=256, acceptance=0.9)
+    args = Namespace(requests=96, prompt_len=16, mean_length=96, max_new_tokens=256, acceptance=0.9, probe_every=None)
     lengths = simulator.response_lengths(args, random.Random(0))
     base = S3RConfig(concurrency_min=32, concurrency_max=48)
     ample = simulator.simulate(base, lengths, 10**5, args, seed=0)

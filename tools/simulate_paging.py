@@ -3,15 +3,18 @@
 Drives the engine's own `Scheduler` (admission, AIMD, pausing and restoring) and `S3RCache` page bookkeeping with
 no model: a prefill step takes each admitted prompt whole, and a round commits, for every running request, one
 token plus the drafts kept (each kept with probability `--acceptance` until the first rejection, as the benchmarks'
-forced acceptance does). Response lengths are drawn as `tools/kv_pressure.py`'s EOS set makes them: geometric
-around `--mean-length`, capped at `--max-new-tokens`. The pool is `--pool-fraction` of the peak KV of a run at the
-fixed limit `--concurrency-max` with a pool that holds everything, as `kv_pressure.py` sizes it.
+forced acceptance does). With `--probe-every N` rounds are dense steps (k = 0) but for a probe of three drafting
+rounds every N, as the adaptive rule decodes where drafting does not pay. Response lengths are drawn as
+`tools/kv_pressure.py`'s EOS set makes them: geometric around `--mean-length`, capped at `--max-new-tokens`. The
+pool is `--pool-fraction` of the peak KV of a run at the fixed limit `--concurrency-max` with a pool that holds
+everything, as `kv_pressure.py` sizes it.
 
 Pages moved are the paper's measure (offloaded plus restored) and do not depend on the device; rows per round stand
 in for throughput (the GPU run, `gpu kv-pressure`, is the judge of that). Several seeds, since a run has only a
 handful of pause episodes and the spread between seeds is as large as most rule changes.
 
     python tools/simulate_paging.py --seeds 8        # the Table 2 workload of docs/benchmarks.md
+    python tools/simulate_paging.py --seeds 4 --warm --fixed 160 --probe-every 300   # adaptive k, dense there
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from s3r_hf.engine.scheduler import Scheduler  # noqa: E402
 from s3r_hf.request import Request, RequestStatus  # noqa: E402
 from s3r_hf.stats import S3RStats  # noqa: E402
 
+PROBE_ROUNDS = 3  # AdaptiveDraftLength.probe_rounds
 # One layer of one KV head of width one: the pages are counted, their contents never read.
 TINY_KV = LlamaConfig(num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, hidden_size=1, head_dim=1)
 
@@ -68,8 +72,10 @@ def simulate(
     ]
     ends = {request.row: length for request, length in zip(requests, lengths)}  # where each samples its EOS
     scheduler.add(requests)
-    k, rounds, rows = config.draft_len, 0, 0
+    rounds, rows = 0, 0
     while scheduler.has_work():
+        probing = args.probe_every is None or rounds % args.probe_every < PROBE_ROUNDS
+        k = config.draft_len if probing else 0
         step = scheduler.schedule()
         prefilling = step.prefilling if step.kind == "mixed" else step.requests if step.kind == "prefill" else []
         for request in prefilling:  # the whole prompt in one step, then its first token
@@ -83,7 +89,7 @@ def simulate(
             decoding = step.requests if step.kind == "mixed" else scheduler.running
             decoding = [r for r in decoding if r.status is RequestStatus.RUNNING]
             if decoding:
-                scheduler.make_room_for_round(decoding, lambda r: k)
+                scheduler.make_room_for_round(decoding, lambda r, k=k: k)
                 rounds += 1
                 rows += len(decoding)
             for request in decoding:
@@ -118,6 +124,8 @@ def main() -> None:
     parser.add_argument("--concurrency-min", type=int, default=160)
     parser.add_argument("--concurrency-max", type=int, default=256)
     parser.add_argument("--fixed", default="128,160,256", help="fixed concurrency limits to run as well")
+    parser.add_argument("--probe-every", type=int, default=None,
+                        help="dense steps but for three drafting rounds every this many (default: draft every round)")
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--warm", action="store_true",
                         help="also AIMD runs whose length forecast was kept from a call before (an RL loop's steps)")
