@@ -48,6 +48,11 @@ NEIGHBOUR_RATIO_SPREAD = 2.0
 bound at many. A new bucket whose neighbour at another batch size chose by less probes soon instead of trusting it."""
 
 
+def _distance(a: tuple[int, int], b: tuple[int, int]) -> int:
+    """How far apart two buckets are: the steps of rows and of context between them."""
+    return abs(a[0] - b[0]) + abs(a[1] - b[1])
+
+
 @dataclass(frozen=True)
 class RoundShape:
     """What a round's cost depends on: how many requests it runs and their mean committed context."""
@@ -355,7 +360,7 @@ class AdaptiveDraftLength:
         """The buckets by distance from `key` (`key` itself first, if it exists)."""
         nearest = self._nearest_buckets.get(key)
         if nearest is None:
-            order = sorted(self.buckets, key=lambda b: abs(b[0] - key[0]) + abs(b[1] - key[1]))
+            order = sorted(self.buckets, key=lambda b: _distance(b, key))
             nearest = self._nearest_buckets[key] = [self.buckets[b] for b in order]
         return nearest
 
@@ -554,7 +559,7 @@ class AdaptiveDraftLength:
             # live too few rounds per call to reach the neighbour's gap. It probes after `min_probe_gap` rounds.
             gap, choice, interval, interval_gap = self.min_probe_gap, None, self.refresh_intervals[0], 0
             if self.buckets:
-                nearest_key = min(self.buckets, key=lambda b: abs(b[0] - key[0]) + abs(b[1] - key[1]))
+                nearest_key = min(self.buckets, key=lambda b: _distance(b, key))
                 nearest = self.buckets[nearest_key]
                 choice = nearest.choice
                 if nearest_key[0] == key[0] or not self._near_break_even(key, choice):
