@@ -513,20 +513,15 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
                _fmt(result.get("peak_gpu_gib"))]
         lines.append("| " + " | ".join(row) + " |")
     for faster, base, meaning in COMPARISONS:
-        ratios = []
-        for key in ("generate_tokens_per_second_warm", "step_tokens_per_second_warm"):
-            fast, slow = _mode_mean(results, faster, key), _mode_mean(results, base, key)
-            ratios.append(fast / slow if slow else math.nan)
+        ratios = [_mode_ratio(results, faster, base, key)
+                  for key in ("generate_tokens_per_second_warm", "step_tokens_per_second_warm")]
         if all(math.isnan(ratio) for ratio in ratios):
             continue  # one of the two modes did not run
         lines.append(f"\n{faster} vs {base} ({meaning}; warm steps, tokens/s): generation x{_fmt(ratios[0])}, "
                      f"whole step x{_fmt(ratios[1])}")
         # Where the longest responses reach the cap every step lasts as many engine steps whatever the others
         # drew, so seconds per step compare the modes more steadily than tokens per second.
-        by_time = []
-        for key in ("generate_seconds_warm", "step_seconds_warm"):
-            fast, slow = _mode_mean(results, faster, key), _mode_mean(results, base, key)
-            by_time.append(slow / fast if fast else math.nan)
+        by_time = [_mode_ratio(results, base, faster, key) for key in ("generate_seconds_warm", "step_seconds_warm")]
         lines.append(f"{faster} vs {base} (seconds per warm step): generation x{_fmt(by_time[0])}, "
                      f"whole step x{_fmt(by_time[1])}")
     for result, label in zip(results, run_labels(results)):
@@ -538,6 +533,12 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
                 f"+{s['warm_step_per_token_worst_over_median']:.0%} / -{s['warm_step_per_token_best_under_median']:.0%}"
             )
     return "\n".join(lines)
+
+
+def _mode_ratio(results: list[dict[str, Any]], over: str, under: str, key: str) -> float:
+    """`over`'s mean of summary `key` divided by `under`'s (NaN when either did not run or `under`'s is zero)."""
+    numerator, denominator = _mode_mean(results, over, key), _mode_mean(results, under, key)
+    return numerator / denominator if denominator else math.nan
 
 
 def _mode_mean(results: list[dict[str, Any]], mode: str, key: str) -> float:
