@@ -75,7 +75,8 @@
 #   layers       engine AR and S3R ms per step with the decoder layers eager, compiled per layer, compiled with
 #                max-autotune, and with liger-kernel's ops (tools/decode_layer_options.py; liger-kernel among the
 #                --wheels): LAYERS_MODEL=smol (SmolLM2 at B=64, S=4K, the default) or qwen (the Qwen3-1.7B shape at
-#                B=64, S=8K), LAYERS_VARIANTS a subset; 5-8 minutes per model, each variant's row printed as it ends
+#                B=64, S=8K), LAYERS_VARIANTS a subset, LAYERS_VARIANT_TIMEOUT seconds per variant (150);
+#                5-8 minutes per model, each variant's row printed as it ends
 #   kv-pressure  the paper's Table 2: long rollouts from short prompts on the Qwen3-1.7B shape (forced acceptance), the
 #                KV pool at half the peak need; engine AR, S3R with offload at fixed limits 128/160/256, S3R with AIMD,
 #                lockstep and mixed-stage steps (tools/kv_pressure.py; KVP_ARGS adds its options, KVP_TIMEOUT 540 s)
@@ -310,7 +311,7 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     *) echo "LAYERS_MODEL must be smol or qwen" >&2; exit 2 ;;
     esac
     timeout ${LAYERS_TIMEOUT:-540} python3 tools/decode_layer_options.py "${layers_args[@]}" --variants "$variants" \
-      --timeout 150 --json "$OUT/layers_${LAYERS_MODEL:-smol}.json" 2>&1 | grep -v -i warn \
+      --timeout ${LAYERS_VARIANT_TIMEOUT:-150} --json "$OUT/layers_${LAYERS_MODEL:-smol}.json" 2>&1 | grep -v -i warn \
       | tee "$OUT/layers_${LAYERS_MODEL:-smol}.log" | tail -12
     ;;
   kv-pressure)
