@@ -192,6 +192,7 @@ def call_record(output: Any, seconds: float, prompt_len: int, eos_ids: set[int],
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "mean_length": tokens / max(len(lengths), 1),
         "max_length": max(lengths, default=0),
+        "lengths": lengths,  # per response: modes' length distributions can be compared, not only their means
         "response_digests": digests,
     }
     stats = getattr(output, "s3r_stats", None)

@@ -89,6 +89,7 @@ def test_rollout_of_a_real_model_applies_the_chat_template_and_ends_at_eos(tmp_p
         (call,) = point["modes"][mode]["calls"]
         # Seeded: some responses of the word model end at <eos> well before the limit, so lengths differ.
         assert 1 <= call["mean_length"] < call["max_length"] <= 24
+        assert len(call["lengths"]) == 6 and sum(call["lengths"]) == call["tokens"]
         if mode != "generate":
             check_engine_counts(mode, [call], 6, 3)
 
