@@ -145,7 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "killed and the steps it finished are kept")
     parser.add_argument("--in-process", action="store_true", help="run all modes in this process")
     parser.add_argument("--log-engine", action="store_true",
-                        help="log s3r-hf's engine at info level: graph captures and compiles, Triton variants built")
+                        help="log s3r-hf's engine at info level (graph captures and compiles, Triton variants built) "
+                        "and torch.compile's recompilations with the guard that failed")
     parser.add_argument("--json", default=None, help="write all results here (rewritten after every mode)")
     parser.add_argument("--plot", default=None,
                         help="write a PNG of reward and mean completion length per step, side by side, one line per "
@@ -704,6 +705,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.log_engine:
         logging.basicConfig(format="  %(name)s: %(message)s")
         logging.getLogger("s3r_hf").setLevel(logging.INFO)
+        import torch._logging
+
+        torch._logging.set_logs(recompiles=True)  # which shape or guard made a warm step compile again
     if args.from_json:
         payload = {"results": [r for path in args.from_json for r in json.loads(Path(path).read_text())["results"]]}
         report(payload, args.plot)
