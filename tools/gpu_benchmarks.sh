@@ -297,7 +297,7 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
       --json "$OUT/rollout_qwen.json" 2>&1 | grep -v -i warn | tee "$OUT/rollout_qwen.log" | tail -30
     ;;
   adaptive-tests)
-    S3R_HF_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:warnings -p no:cacheprovider -rs \
+    S3R_HF_TEST_DEVICE=cuda timeout 240 python3 -m pytest -p no:warnings -p no:cacheprovider -rs \
       tests/test_adaptive_exactness.py tests/test_cuda_graphs.py \
       "tests/test_exactness_sampling.py::test_s3r_samples_stay_exact_when_the_draft_length_varies" \
       2>&1 | tee "$OUT/adaptive_tests.log" | tail -15
