@@ -33,6 +33,12 @@ class S3RConfig:
             where drafting cannot pay (small models, short contexts, the last few requests of a rollout) S3R decodes
             as the dense engine does. `False` drafts `draft_len` tokens every round, as the paper does. The samples
             are exact either way.
+        adaptive_draft_lengths (`tuple[int, ...]`, *optional*):
+            The draft lengths the adaptive rule chooses among; they must include 0 and `draft_len`. `None` (the
+            default): a dense step or a full `draft_len` round. Lengths in between, e.g. `(0, 3, 6)`, pay where a draft
+            pass costs nearly what the verify does (float32 models at a few rows, where the later drafts of a long
+            round are accepted too rarely to pay their pass); each length drafts through CUDA graphs of its own,
+            captured the first time the rule picks it at a batch size. Needs `adaptive=True`.
         budget_ratio (`float`, defaults to 0.05):
             Fraction `s` of a request's committed context that each (layer, KV head) index view keeps.
         min_budget (`int`, defaults to 192):
@@ -134,6 +140,7 @@ class S3RConfig:
 
     draft_len: int = 6
     adaptive: bool = True
+    adaptive_draft_lengths: tuple[int, ...] | None = None
     budget_ratio: float = 0.05
     min_budget: int = 192
     refresh_interval: int | None = None
@@ -165,6 +172,8 @@ class S3RConfig:
     def validate(self) -> None:
         """Raise `ValueError` naming the first field outside its allowed range."""
         _check_int(self, "draft_len", low=1, high=MAX_DRAFT_LEN)
+        if self.adaptive_draft_lengths is not None:
+            self._check_adaptive_draft_lengths()
         _check_float(self, "budget_ratio", low=0.0, high=1.0, low_open=True)
         _check_int(self, "min_budget", low=1)
         if self.refresh_interval is not None:
@@ -194,6 +203,23 @@ class S3RConfig:
             )
         if self.seed is not None:
             _check_int(self, "seed", low=0, high=2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+    def _check_adaptive_draft_lengths(self) -> None:
+        lengths = self.adaptive_draft_lengths
+        if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
+            raise ValueError(f"S3RConfig.adaptive_draft_lengths must be a sequence of integers, got {lengths!r}")
+        lengths = list(lengths)
+        if any(isinstance(k, bool) or not isinstance(k, numbers.Integral) for k in lengths):
+            raise ValueError(f"S3RConfig.adaptive_draft_lengths must be a sequence of integers, got {lengths!r}")
+        lengths = sorted({int(k) for k in lengths})
+        if not lengths or lengths[0] != 0 or lengths[-1] != self.draft_len:
+            raise ValueError(
+                f"S3RConfig.adaptive_draft_lengths must include 0 and draft_len ({self.draft_len}) and lie between "
+                f"them, got {self.adaptive_draft_lengths!r}"
+            )
+        if not self.adaptive:
+            raise ValueError("S3RConfig.adaptive_draft_lengths needs adaptive=True (the fixed rule drafts draft_len)")
+        self.adaptive_draft_lengths = tuple(lengths)
 
     @property
     def max_refresh_interval(self) -> int:

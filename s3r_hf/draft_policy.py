@@ -531,10 +531,12 @@ class AdaptiveDraftLength:
         return k
 
     def _probe_length(self, bucket: _BucketCosts, best: int) -> int:
-        """The length next to the choice or at either end that this bucket measured longest ago (the ends first,
-        which tell most about whether drafting pays at all)."""
+        """The length next to the choice (among the lengths it may choose) or at either end that this bucket measured
+        longest ago (the ends first, which tell most about whether drafting pays at all)."""
         ends = (0, self.max_draft_len)
-        candidates = [k for k in {*ends, best - 1, best + 1} - {best} if k in self.lengths]
+        at = self.lengths.index(best)
+        neighbours = self.lengths[max(at - 1, 0) : at + 2]
+        candidates = [k for k in {*ends, *neighbours} - {best}]
         return min(candidates, key=lambda j: (bucket.last_seen.get(j, -1), j not in ends, j))
 
     def _affordable_gap(self, values: dict[int, tuple[float, int]], best: int, k: int) -> int:
@@ -581,10 +583,14 @@ class AdaptiveDraftLength:
         return any(value[0] * NEIGHBOUR_RATIO_SPREAD >= values[choice][0] for k, value in values.items() if k != choice)
 
 
-def adaptive_for(max_draft_len: int, refresh_interval: int | None = None) -> AdaptiveDraftLength:
-    """The engine's adaptive rule: a dense step or a full-length round. Every other length would be CUDA graphs of its
-    own (a draft phase and a verify block per batch bucket), each capture costing dozens of rounds' worth of time in
-    a call, for a gain over the nearer end that the measured costs rarely show. The refresh interval is
-    `refresh_interval`, or chosen among `1..MAX_ADAPTIVE_REFRESH_INTERVAL` when None."""
+def adaptive_for(
+    max_draft_len: int, refresh_interval: int | None = None, lengths: tuple[int, ...] | None = None
+) -> AdaptiveDraftLength:
+    """The engine's adaptive rule over `lengths` (`S3RConfig.adaptive_draft_lengths`), by default a dense step or a
+    full-length round. Every other length drafts through CUDA graphs of its own (a draft phase per batch bucket), each
+    capture costing dozens of rounds' worth of time in a call, for a gain over the nearer end that shows only where a
+    draft pass costs nearly what the verify does. The refresh interval is `refresh_interval`, or chosen among
+    `1..MAX_ADAPTIVE_REFRESH_INTERVAL` when None."""
     intervals = (refresh_interval,) if refresh_interval is not None else range(1, MAX_ADAPTIVE_REFRESH_INTERVAL + 1)
-    return AdaptiveDraftLength(max_draft_len, lengths=(0, max_draft_len), refresh_intervals=tuple(intervals))
+    lengths = (0, max_draft_len) if lengths is None else lengths
+    return AdaptiveDraftLength(max_draft_len, lengths=lengths, refresh_intervals=tuple(intervals))

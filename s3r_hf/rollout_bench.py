@@ -161,8 +161,11 @@ def mode_kwargs(mode: str, config: S3RConfig, acceptance: float | None, stages: 
         return {}
     kwargs: dict[str, Any] = {"s3r_timing": "stages" if stages else True}
     if mode == "ar":
-        return {**kwargs, "s3r_config": replace(config, adaptive=False), "s3r_mode": "ar"}
-    kwargs["s3r_config"] = replace(config, adaptive=mode == "s3r-adaptive")
+        return {**kwargs, "s3r_config": replace(config, adaptive=False, adaptive_draft_lengths=None), "s3r_mode": "ar"}
+    if mode == "s3r-adaptive":
+        kwargs["s3r_config"] = config
+    else:  # the paper's fixed k
+        kwargs["s3r_config"] = replace(config, adaptive=False, adaptive_draft_lengths=None)
     if acceptance is not None:
         kwargs["s3r_forced_acceptance"] = acceptance
     return kwargs
@@ -509,6 +512,9 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--calls", type=int, default=3, help="timed calls per mode; the first is cold (%(default)s)")
     group.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of %(default)s")
     group.add_argument("--seed", type=int, default=0, help="call i of every mode samples from seed + i (%(default)s)")
+    group.add_argument("--adaptive-draft-lengths", default=None,
+                       help="S3RConfig.adaptive_draft_lengths of the s3r-adaptive mode, e.g. 0,3,6 (default: 0 and "
+                       "--draft-len)")
     group.add_argument("--greedy", action="store_true",
                        help="decode greedily instead of sampling at T=1: exact modes generate the same responses, so "
                        "their times compare the same work")
@@ -522,6 +528,16 @@ def _single(values: str, flag: str, kind: type) -> Any:
         return kind(parts[0])
     except ValueError as error:
         raise RolloutUsageError(f"{flag}: {error}") from error
+
+
+def _lengths(values: str | None) -> tuple[int, ...] | None:
+    """`--adaptive-draft-lengths` as a tuple (S3RConfig checks the values)."""
+    if values is None:
+        return None
+    try:
+        return tuple(int(v) for v in values.split(",") if v.strip())
+    except ValueError as error:
+        raise RolloutUsageError(f"--adaptive-draft-lengths takes integers like 0,3,6, got {values!r}") from error
 
 
 def rollout_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -561,6 +577,7 @@ def rollout_settings(args: argparse.Namespace) -> dict[str, Any]:
             refresh_interval=_single(args.refresh_interval, "--refresh-interval", refresh_interval_arg),
             prefill_chunk_size=args.prefill_chunk, cuda_graphs=args.cuda_graphs, compile_layers=args.compile_layers,
             fused_layers=args.fused_layers, draft_matmul_precision=args.draft_matmul_precision,
+            adaptive_draft_lengths=_lengths(args.adaptive_draft_lengths),
         )
     except ValueError as error:
         raise RolloutUsageError(str(error)) from error

@@ -72,7 +72,8 @@ class ModelRuntime:
         self.forward: ModelForward | None = None
         self.graphs: DecodeGraphs | None = None
         self.fused: FusedProjections | None = None
-        self.policies: dict[tuple[int, int | None], AdaptiveDraftLength] = {}  # by (draft_len, refresh_interval)
+        # by (draft_len, refresh_interval, adaptive_draft_lengths)
+        self.policies: dict[tuple[int, int | None, tuple[int, ...] | None], AdaptiveDraftLength] = {}
         self.seed_calls: dict[int, int] = {}  # calls so far per fixed seed
         self.length_forecasts: dict[int, KVForecast] = {}  # by page size
         self._pages_wanted = 0  # the page count the pool was sized for (before a cap by free memory)
@@ -89,12 +90,14 @@ class ModelRuntime:
             self.drop_device_state()
         self._fingerprint = fingerprint
 
-    def policy(self, draft_len: int, refresh_interval: int | None = None) -> AdaptiveDraftLength:
-        """The adaptive draft-length rule for `draft_len` and `refresh_interval` (None: chosen by the rule),
-        created on first use."""
-        key = (draft_len, refresh_interval)
+    def policy(
+        self, draft_len: int, refresh_interval: int | None = None, lengths: tuple[int, ...] | None = None
+    ) -> AdaptiveDraftLength:
+        """The adaptive draft-length rule for `draft_len`, `refresh_interval` (None: chosen by the rule) and the
+        draft `lengths` it chooses among (None: 0 and `draft_len`), created on first use."""
+        key = (draft_len, refresh_interval, lengths)
         if key not in self.policies:
-            self.policies[key] = adaptive_for(draft_len, refresh_interval)
+            self.policies[key] = adaptive_for(draft_len, refresh_interval, lengths)
         return self.policies[key]
 
     def length_forecast(self, page_size: int) -> KVForecast:
@@ -255,9 +258,9 @@ def call_seed(model: PreTrainedModel, config: S3RConfig) -> int:
 
 
 def adaptive_policy(model: torch.nn.Module, config: S3RConfig) -> AdaptiveDraftLength:
-    """The model's adaptive draft-length rule for `config.draft_len` and `config.refresh_interval`, kept across
-    calls."""
-    return runtime_for(model).policy(config.draft_len, config.refresh_interval)
+    """The model's adaptive draft-length rule for `config.draft_len`, `config.refresh_interval` and
+    `config.adaptive_draft_lengths`, kept across calls."""
+    return runtime_for(model).policy(config.draft_len, config.refresh_interval, config.adaptive_draft_lengths)
 
 
 def release(model: torch.nn.Module) -> None:

@@ -105,6 +105,34 @@ def test_the_adaptive_policy_is_the_default_and_stays_exact():
     assert torch.equal(again, dense)
 
 
+def test_the_configured_draft_lengths_reach_the_rule_and_stay_exact():
+    """`S3RConfig.adaptive_draft_lengths`: the engine's rule chooses among them, and rounds of the lengths in between
+    (probed next to the choice) decode what dense decoding does."""
+    model = s3r_hf.enable(tiny_model("qwen3", seed=31).to(DEVICE))
+    # Contexts of 130-230 tokens and no EOS: every round in one (rows, context) bucket of the rule.
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([130, 141, 135, 150], seed=32))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=80)
+    dense = model.generate(input_ids, **kwargs)
+    config = _config(adaptive_draft_lengths=(0, 1, 3))
+    assert torch.equal(model.generate(input_ids, s3r_config=config, **kwargs), dense)
+    assert adaptive_policy(model, config).lengths == (0, 1, 3)
+    policy = _OneDraftPays(3, lengths=(0, 1, 3), min_probe_gap=2, probe_budget=1.0, refresh_intervals=(1, 2))
+    out = model.generate(input_ids, s3r_config=config, s3r_draft_policy=policy, **kwargs)
+    assert torch.equal(out, dense)
+    assert policy.choices.get(1, 0) > policy.choices.get(3, 0) > 0 and policy.choices.get(0, 0) > 0
+    s3r_hf.release(model)
+
+
+class _OneDraftPays(AdaptiveDraftLength):
+    """The adaptive rule told that a round of one draft costs 0.9 dense steps and a round of three five, whatever the
+    device measured: the length in between is the one to choose."""
+
+    def observe_cost(self, shape, draft_len, seconds, refreshes=True, follows_refresh=True):
+        dense = self._bucket(shape.bucket).dense() or seconds
+        scaled = {0: seconds, 1: 0.9 * dense, 3: 5.0 * dense}[draft_len]
+        super().observe_cost(shape, draft_len, scaled, refreshes, follows_refresh)
+
+
 def test_what_the_policy_learned_is_kept_across_calls_until_released():
     model = s3r_hf.enable(tiny_model("qwen3", seed=29).to(DEVICE))
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 17], seed=30))

@@ -31,11 +31,23 @@ from tests.conftest import TINY, left_padded_batch, tiny_model
         ("seed", -3, "seed"),
         ("return_logprobs", "yes", "return_logprobs"),
         ("draft_matmul_precision", "medium", 'draft_matmul_precision must be "highest" or "high"'),
+        ("adaptive_draft_lengths", (0, 3), r"adaptive_draft_lengths must include 0 and draft_len \(6\)"),
+        ("adaptive_draft_lengths", (3, 6), "adaptive_draft_lengths must include 0"),
+        ("adaptive_draft_lengths", (0, 3, 6, 8), "adaptive_draft_lengths"),
+        ("adaptive_draft_lengths", (0, 2.5, 6), "adaptive_draft_lengths must be a sequence of integers"),
+        ("adaptive_draft_lengths", "0,3,6", "adaptive_draft_lengths must be a sequence of integers"),
+        ("adaptive_draft_lengths", 6, "adaptive_draft_lengths must be a sequence of integers"),
     ],
 )
 def test_invalid_config_names_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         S3RConfig(**{field: value})
+
+
+def test_adaptive_draft_lengths_need_the_adaptive_rule_and_are_kept_sorted():
+    with pytest.raises(ValueError, match="adaptive_draft_lengths needs adaptive=True"):
+        S3RConfig(adaptive=False, adaptive_draft_lengths=(0, 3, 6))
+    assert S3RConfig.from_dict({"adaptive_draft_lengths": [6, 3, 0, 3]}).adaptive_draft_lengths == (0, 3, 6)
 
 
 def test_unknown_config_key_from_dict():

@@ -137,6 +137,45 @@ def test_the_engine_rule_chooses_between_a_dense_step_and_a_full_round():
         AdaptiveDraftLength(6, lengths=(1, 6))
 
 
+def test_the_engine_rule_takes_the_configured_lengths_and_probes_the_next_one_up_or_down():
+    from s3r_hf.draft_policy import adaptive_for
+
+    # α falling along the draft and a pass costing nearly what the verify does (float32 at a few rows): the
+    # middle length commits the most tokens per unit of time, E[τ(3)] / cost(3) against E[τ(6)] / cost(6).
+    alphas = [0.92 * 0.96**j for j in range(6)]
+    cost = lambda k: 1.0 if k == 0 else 1.2 + 0.47 * k  # noqa: E731
+    choices = _drive_decaying(adaptive_for(6, lengths=(0, 3, 6)), cost, alphas, rounds=1500)
+    assert set(choices) == {0, 3, 6}
+    assert choices[-300:].count(3) >= 270
+    # With every even length: it settles on 4 (4: 1.29, 2: 1.28, 6: 1.18 tokens per dense-step time) and goes on
+    # probing both neighbours of its choice in the configured set, not the lengths one up and down (3 and 5).
+    policy = adaptive_for(6, lengths=(0, 2, 4, 6))
+    choices = _drive_decaying(policy, cost, alphas, rounds=1500)
+    assert policy.best(SHAPE.bucket) in (2, 4)
+    after = choices[choices.index(policy.best(SHAPE.bucket)):]
+    assert {0, 2, 4, 6} == set(after)
+
+
+def _drive_decaying(policy: AdaptiveDraftLength, cost, alphas: list[float], rounds: int) -> list[int]:
+    """`_drive` with draft `j` accepted with probability `alphas[j - 1]`."""
+    rng = random.Random(3)
+    choices = []
+    for _ in range(rounds):
+        k = policy.choose(SHAPE)
+        if choices and choices[-1] == k:
+            policy.observe_cost(SHAPE, k, cost(k))
+        choices.append(k)
+        if k:
+            kept = []
+            for _ in range(64):
+                n = 0
+                while n < k and rng.random() < alphas[n]:
+                    n += 1
+                kept.append(n)
+            policy.observe_acceptance([k] * 64, kept)
+    return choices
+
+
 def test_drafting_that_barely_pays_does_not_replace_dense_decoding():
     """Switching to drafting costs a refresh step and overlap; a gain within `switch_margin` is not worth it."""
     from s3r_hf.draft_policy import adaptive_for

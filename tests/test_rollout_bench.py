@@ -10,7 +10,7 @@ import json
 import pytest
 
 from s3r_hf.cli import build_parser, main
-from s3r_hf.rollout_bench import MODES, PRESETS, RolloutUsageError, load_problems, rollout_settings
+from s3r_hf.rollout_bench import MODES, PRESETS, RolloutUsageError, load_problems, mode_kwargs, rollout_settings
 from tests.conftest import tiny_tokenizer, word_model
 
 ENGINE_MODES = ("ar", "s3r-fixed", "s3r-adaptive")
@@ -151,6 +151,14 @@ def test_presets_modes_and_lengths_resolve():
     assert settings["s3r_config"].draft_matmul_precision == "high"  # the library's default
     settings = rollout_settings(parse("--model", "qwen3-tiny", "--draft-matmul-precision", "highest"))
     assert settings["s3r_config"].draft_matmul_precision == "highest"
+    settings = rollout_settings(parse("--model", "qwen3-tiny", "--adaptive-draft-lengths", "0,3,6"))
+    assert settings["s3r_config"].adaptive_draft_lengths == (0, 3, 6)
+    # The fixed and dense modes run the paper's rule whatever lengths the adaptive one may choose.
+    for mode in ("ar", "s3r-fixed"):
+        config = mode_kwargs(mode, settings["s3r_config"], None, False)["s3r_config"]
+        assert not config.adaptive and config.adaptive_draft_lengths is None
+    assert mode_kwargs("s3r-adaptive", settings["s3r_config"], None, False)["s3r_config"].adaptive_draft_lengths == (
+        0, 3, 6)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -159,6 +167,8 @@ def test_presets_modes_and_lengths_resolve():
     (["--model", "qwen3-tiny", "--modes", "ar,fast"], "--modes must name"),
     (["--model", "qwen3-tiny", "--budget", "0.05,0.1"], "--budget takes one value"),
     (["--model", "qwen3-tiny", "--generations", "0"], "--generations must be at least 1"),
+    (["--model", "qwen3-tiny", "--adaptive-draft-lengths", "0,3"], "must include 0 and draft_len (6)"),
+    (["--model", "qwen3-tiny", "--adaptive-draft-lengths", "0,three,6"], "--adaptive-draft-lengths takes integers"),
 ])
 def test_bad_flags_are_one_line_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

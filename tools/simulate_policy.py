@@ -6,7 +6,10 @@ dense step costs `--dense-ms` and commits one token per running request, a draft
 `--tail-round-ms` while at most `--tail-rows` requests run: at a few rows both kinds of step are launch-bound, and
 a round costs fewer dense steps than at many) and commits 1 + the drafts kept
 (each with probability `--alpha` until the first rejection), a refresh step before drafting costs `--refresh-ms`,
-and the first dense step after drafting `--switch-back-ms` more. The rule sees the round costs the engine would
+and the first dense step after drafting `--switch-back-ms` more. `--lengths` lets the rule choose draft lengths
+between 0 and `--draft-len` (the engine's rule chooses the two ends); a round of `k` costs `--round-ms` less
+`--draft-pass-ms` for each pass short of `--draft-len`, and draft `j` is accepted with `--alpha` times
+`--alpha-decay` to the `j - 1` (acceptance falls along a draft). The rule sees the round costs the engine would
 report (rounds that follow a round of the same length) and the acceptance of every drafting round, and keeps what
 it learned from call to call, as the engine's kept state does. Costs get ±10% noise.
 
@@ -14,6 +17,8 @@ it learned from call to call, as the engine's kept state does. Costs get ±10% n
     python tools/simulate_policy.py --dense-ms 3 --round-ms 90 --batch 32 --max-new-tokens 4096   # fp32
     python tools/simulate_policy.py --dense-ms 3 --round-ms 20 --tail-rows 32 --tail-round-ms 11 --alpha 0.85 \
         --batch 256 --max-new-tokens 4096 --capped-share 0.02     # SmolLM2 B=256, bf16: drafting pays in the tail
+    python tools/simulate_policy.py --dense-ms 5.5 --round-ms 22 --draft-pass-ms 2.6 --alpha 0.95 \
+        --alpha-decay 0.97 --batch 32 --max-new-tokens 4096 --capped-share 0.45 --lengths 0,2,3,4,6   # fp32 GRPO
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from s3r_hf.draft_policy import RoundShape, adaptive_for  # noqa: E402
+from s3r_hf.draft_policy import AdaptiveDraftLength, RoundShape, adaptive_for  # noqa: E402
 
 
 def simulate(policy, lengths: list[int], args: argparse.Namespace, rng: random.Random) -> tuple[float, int]:
@@ -43,11 +48,12 @@ def simulate(policy, lengths: list[int], args: argparse.Namespace, rng: random.R
             stale = False
         if k:
             round_ms = args.tail_round_ms if len(remaining) <= args.tail_rows else args.round_ms
+            round_ms -= (args.draft_len - k) * args.draft_pass_ms
             cost = round_ms / 1e3 * noise
             kept = []
             for _ in remaining:
                 n = 0
-                while n < k and rng.random() < args.alpha:
+                while n < k and rng.random() < args.alpha * args.alpha_decay**n:
                     n += 1
                 kept.append(n)
             remaining = [r - n - 1 for r, n in zip(remaining, kept)]
@@ -74,6 +80,11 @@ def main() -> None:
     parser.add_argument("--refresh-ms", type=float, default=2.6)
     parser.add_argument("--switch-back-ms", type=float, default=0.7)
     parser.add_argument("--alpha", type=float, default=0.8)
+    parser.add_argument("--alpha-decay", type=float, default=1.0, help="draft j is accepted with alpha * decay^(j-1)")
+    parser.add_argument("--draft-pass-ms", type=float, default=0.0,
+                        help="what a round saves per draft pass short of --draft-len (with --lengths)")
+    parser.add_argument("--lengths", default=None,
+                        help="draft lengths the rule may choose, e.g. 0,2,4,6 (default: 0 and --draft-len)")
     parser.add_argument("--draft-len", type=int, default=6)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=2048)
@@ -90,7 +101,11 @@ def main() -> None:
     if args.tail_round_ms is None:
         args.tail_round_ms = args.round_ms
     rng = random.Random(args.seed)
-    policy = adaptive_for(args.draft_len)
+    if args.lengths is None:
+        policy = adaptive_for(args.draft_len)
+    else:
+        lengths = tuple(int(k) for k in args.lengths.split(","))
+        policy = AdaptiveDraftLength(args.draft_len, lengths=lengths, refresh_intervals=(1,))
     if args.switch_margin is not None:
         policy.switch_margin = args.switch_margin
     for call in range(args.calls):

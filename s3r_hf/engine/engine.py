@@ -127,7 +127,7 @@ class S3REngine:
         if mode == "ar":
             return FixedDraftLength(0)
         if mode == "s3r" and config.adaptive:
-            return adaptive_for(config.draft_len, config.refresh_interval)
+            return adaptive_for(config.draft_len, config.refresh_interval, config.adaptive_draft_lengths)
         return FixedDraftLength(config.draft_len, config.refresh_interval or 1)
 
     def run(self, requests: list[Request]) -> S3RStats:
