@@ -11,15 +11,18 @@ from s3r_hf.draft_policy import AdaptiveDraftLength, FixedDraftLength, RoundShap
 SHAPE = RoundShape(rows=64, context=4096)
 
 
-def kept_drafts(rng: random.Random, k: int, alpha: float) -> int:
-    """Drafts kept of `k`, each with probability `alpha`, until the first rejection."""
+def kept_drafts(rng: random.Random, k: int, alpha: float | list[float]) -> int:
+    """Drafts kept of `k`, each with probability `alpha` (draft `j`: `alpha[j - 1]` for a list), until the first
+    rejection."""
     kept = 0
-    while kept < k and rng.random() < alpha:
+    while kept < k and rng.random() < (alpha[kept] if isinstance(alpha, list) else alpha):
         kept += 1
     return kept
 
 
-def _drive(policy: AdaptiveDraftLength, cost, alpha: float, rounds: int, shape: RoundShape = SHAPE, seed: int = 0):
+def _drive(
+    policy: AdaptiveDraftLength, cost, alpha: float | list[float], rounds: int, shape: RoundShape = SHAPE, seed: int = 0
+):
     """Run `rounds` rounds as the engine would: choose k, then report its cost (only when the round before had the
     same k) and (for k > 0) 64 requests' acceptance tests, each draft kept with probability `alpha` until the first
     rejection. Returns the choices."""
@@ -144,36 +147,16 @@ def test_the_engine_rule_takes_the_configured_lengths_and_probes_the_next_one_up
     # middle length commits the most tokens per unit of time, E[τ(3)] / cost(3) against E[τ(6)] / cost(6).
     alphas = [0.92 * 0.96**j for j in range(6)]
     cost = lambda k: 1.0 if k == 0 else 1.2 + 0.47 * k  # noqa: E731
-    choices = _drive_decaying(adaptive_for(6, lengths=(0, 3, 6)), cost, alphas, rounds=1500)
+    choices = _drive(adaptive_for(6, lengths=(0, 3, 6)), cost, alphas, rounds=1500)
     assert set(choices) == {0, 3, 6}
     assert choices[-300:].count(3) >= 270
     # With every even length: it settles on 4 (4: 1.29, 2: 1.28, 6: 1.18 tokens per dense-step time) and goes on
     # probing both neighbours of its choice in the configured set, not the lengths one up and down (3 and 5).
     policy = adaptive_for(6, lengths=(0, 2, 4, 6))
-    choices = _drive_decaying(policy, cost, alphas, rounds=1500)
+    choices = _drive(policy, cost, alphas, rounds=1500)
     assert policy.best(SHAPE.bucket) in (2, 4)
     after = choices[choices.index(policy.best(SHAPE.bucket)):]
     assert {0, 2, 4, 6} == set(after)
-
-
-def _drive_decaying(policy: AdaptiveDraftLength, cost, alphas: list[float], rounds: int) -> list[int]:
-    """`_drive` with draft `j` accepted with probability `alphas[j - 1]`."""
-    rng = random.Random(3)
-    choices = []
-    for _ in range(rounds):
-        k = policy.choose(SHAPE)
-        if choices and choices[-1] == k:
-            policy.observe_cost(SHAPE, k, cost(k))
-        choices.append(k)
-        if k:
-            kept = []
-            for _ in range(64):
-                n = 0
-                while n < k and rng.random() < alphas[n]:
-                    n += 1
-                kept.append(n)
-            policy.observe_acceptance([k] * 64, kept)
-    return choices
 
 
 def test_drafting_that_barely_pays_does_not_replace_dense_decoding():
