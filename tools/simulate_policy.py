@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from s3r_hf.draft_policy import AdaptiveDraftLength, RoundShape, adaptive_for  # noqa: E402
+from s3r_hf.draft_policy import RoundShape, adaptive_for  # noqa: E402
 
 
 def simulate(policy, lengths: list[int], args: argparse.Namespace, rng: random.Random) -> tuple[float, int]:
@@ -101,11 +101,8 @@ def main() -> None:
     if args.tail_round_ms is None:
         args.tail_round_ms = args.round_ms
     rng = random.Random(args.seed)
-    if args.lengths is None:
-        policy = adaptive_for(args.draft_len)
-    else:
-        lengths = tuple(int(k) for k in args.lengths.split(","))
-        policy = AdaptiveDraftLength(args.draft_len, lengths=lengths, refresh_intervals=(1,))
+    lengths = None if args.lengths is None else tuple(int(k) for k in args.lengths.split(","))
+    policy = adaptive_for(args.draft_len, lengths=lengths)
     if args.switch_margin is not None:
         policy.switch_margin = args.switch_margin
     for call in range(args.calls):
