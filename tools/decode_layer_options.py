@@ -5,6 +5,11 @@ Variants (each in a child process of its own, so patches and compile caches do n
   eager          the model's own layers (`compile_layers=False`)
   compiled       S3R's per-layer `torch.compile` (`compile_layers=True`, the current setting)
   max-autotune   the same with inductor's max-autotune (Triton GEMM templates with fused prologues and epilogues)
+  compiled-pdl   compiled per layer with inductor's programmatic dependent launch (Hopper: each generated kernel
+                 launches while the one before it finishes and waits for its data, cutting the gaps between the
+                 dozen small kernels of a layer)
+  compiled-cdt   compiled per layer with inductor's coordinate-descent tuning of its pointwise and reduction kernels'
+                 block sizes
   liger          liger-kernel's RMSNorm, RoPE and SwiGLU patched into the model (`pip install liger-kernel`)
   liger-compiled the same, then compiled per layer
   fused          S3R's fused decoder layers (`fused_layers=True`: five Triton kernels per layer around the attention);
@@ -29,7 +34,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-VARIANTS = ("eager", "compiled", "max-autotune", "liger", "liger-compiled", "fused", "fused-compiled")
+VARIANTS = ("eager", "compiled", "max-autotune", "compiled-pdl", "compiled-cdt", "liger", "liger-compiled", "fused",
+            "fused-compiled")
+# Inductor options of the variants compiled with options other than S3R's own.
+INDUCTOR_OPTIONS = {
+    "max-autotune": {"max_autotune": True, "triton.cudagraphs": False},
+    "compiled-pdl": {"triton.enable_pdl": True},
+    "compiled-cdt": {"coordinate_descent_tuning": True},
+}
 
 
 def apply_variant(model, variant: str) -> dict:
@@ -48,13 +60,12 @@ def apply_variant(model, variant: str) -> dict:
             liger.apply_liger_kernel_to_llama)
         patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False,
               model=model)
-    if variant == "max-autotune":
-        options = {"max_autotune": True, "triton.cudagraphs": False,
-                   "post_grad_custom_pre_pass": MergeIdenticalGemms()}
+    if variant in INDUCTOR_OPTIONS:
+        options = {**INDUCTOR_OPTIONS[variant], "post_grad_custom_pre_pass": MergeIdenticalGemms()}
         for cls in {type(layer) for layer in compiled_layers.decoder_layers(model)}:
             compiled_layers._compiled_forwards[cls] = torch.compile(cls.forward, options=options)
     return {
-        "compile_layers": variant in ("compiled", "max-autotune", "liger-compiled", "fused-compiled"),
+        "compile_layers": variant in ("compiled", *INDUCTOR_OPTIONS, "liger-compiled", "fused-compiled"),
         "fused_layers": variant.startswith("fused"),
     }
 

@@ -73,7 +73,8 @@
 #                JSON, PROBE_ARGS adds options, e.g. "--calls 1 --max-new-tokens 256 --no-profile", PROBE_NAME
 #                names the logs, rollout${PROBE_NAME}_DTYPE.log, so several runs in one call keep theirs)
 #   layers       engine AR and S3R ms per step with the decoder layers eager, compiled per layer, compiled with
-#                max-autotune, and with liger-kernel's ops (tools/decode_layer_options.py; liger-kernel among the
+#                max-autotune, programmatic dependent launch (compiled-pdl) or coordinate-descent tuning
+#                (compiled-cdt), and with liger-kernel's ops (tools/decode_layer_options.py; liger-kernel among the
 #                --wheels): LAYERS_MODEL=smol (SmolLM2 at B=64, S=4K, the default) or qwen (the Qwen3-1.7B shape at
 #                B=64, S=8K), LAYERS_VARIANTS a subset, LAYERS_VARIANT_TIMEOUT seconds per variant (150);
 #                5-8 minutes per model, each variant's row printed as it ends
