@@ -37,8 +37,8 @@ class S3RConfig:
             The draft lengths the adaptive rule chooses among; they must include 0 and `draft_len`. `None` (the
             default): a dense step or a full `draft_len` round. Lengths in between, e.g. `(0, 3, 6)`, pay where a draft
             pass costs nearly what the verify does (float32 models at a few rows, where the later drafts of a long
-            round are accepted too rarely to pay their pass); each length drafts through CUDA graphs of its own,
-            captured the first time the rule picks it at a batch size. Needs `adaptive=True`.
+            round are accepted too rarely to pay their pass); each length runs CUDA graphs of its own (a draft
+            phase and a verify block), captured the first time the rule picks it at a batch size. Needs `adaptive=True`.
         budget_ratio (`float`, defaults to 0.05):
             Fraction `s` of a request's committed context that each (layer, KV head) index view keeps.
         min_budget (`int`, defaults to 192):

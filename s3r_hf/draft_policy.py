@@ -587,10 +587,10 @@ def adaptive_for(
     max_draft_len: int, refresh_interval: int | None = None, lengths: tuple[int, ...] | None = None
 ) -> AdaptiveDraftLength:
     """The engine's adaptive rule over `lengths` (`S3RConfig.adaptive_draft_lengths`), by default a dense step or a
-    full-length round. Every other length drafts through CUDA graphs of its own (a draft phase per batch bucket), each
-    capture costing dozens of rounds' worth of time in a call, for a gain over the nearer end that shows only where a
-    draft pass costs nearly what the verify does. The refresh interval is `refresh_interval`, or chosen among
-    `1..MAX_ADAPTIVE_REFRESH_INTERVAL` when None."""
+    full-length round. Every other length runs CUDA graphs of its own (a draft phase and a verify block per batch
+    bucket), each capture costing dozens of rounds' worth of time in a call, for a gain over the nearer end that
+    shows only where a draft pass costs nearly what the verify does. The refresh interval is `refresh_interval`, or
+    chosen among `1..MAX_ADAPTIVE_REFRESH_INTERVAL` when None."""
     intervals = (refresh_interval,) if refresh_interval is not None else range(1, MAX_ADAPTIVE_REFRESH_INTERVAL + 1)
     lengths = (0, max_draft_len) if lengths is None else lengths
     return AdaptiveDraftLength(max_draft_len, lengths=lengths, refresh_intervals=tuple(intervals))
