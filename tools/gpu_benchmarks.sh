@@ -31,7 +31,8 @@
 #                (its sync-debug check), offload and restore on their own stream ($TESTS overrides the list)
 #   all-tests    tests, gtests and adaptive-tests at once, three pytest processes on the one GPU (about 4 minutes
 #                instead of the three steps' sum; correctness only, no timing runs beside them)
-#   gtests       the sampling G-tests on CUDA (eager, graphed, graphed + compiled; the drafter's power check)
+#   gtests       the sampling G-tests on CUDA (eager, graphed, graphed + compiled; the drafter's power check) and the
+#                long-generation two-sample tests
 #   tune         graph-timed kernels at the chosen launch settings (TUNE_ARGS= for the full sweep)
 #   smol         SmolLM2-135M real-text bench, bf16, compiled layers, graphs: headline (unsynchronized) numbers
 #   smol-stages  the same with per-stage synchronization: where a round's time goes (SMOL_SEQ, SMOL_EXTRA)
@@ -180,7 +181,7 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     ;;
   gtests)
     S3R_HF_TEST_DEVICE=cuda timeout 300 python3 -m pytest -p no:warnings -p no:cacheprovider -rs \
-      tests/test_exactness_sampling.py 2>&1 | tee "$OUT/gtests.log" | tail -15
+      tests/test_exactness_sampling.py tests/test_exactness_long.py 2>&1 | tee "$OUT/gtests.log" | tail -15
     ;;
   tune)
     timeout 200 python3 tools/tune_kernels.py ${TUNE_ARGS:---chosen-only} --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log"
