@@ -124,9 +124,24 @@ def compile_counters() -> tuple[int, float]:
 
 
 def _owner_dispatch(model: PreTrainedModel, compiled: Callable, eager: Callable) -> Callable:
-    """`compiled` in the thread running S3R on `model`, `eager` in any other thread."""
+    """`compiled` in the thread running S3R on `model`, `eager` in any other thread.
+
+    The hidden states reach the compiled forward detached when no gradient is recorded: transformers' gradient
+    checkpointing (on by default in TRL's GRPO) marks the embedding output as requiring grad with a hook that runs
+    under `no_grad` too, so the first layer's input would require grad and the others' would not, and every compiled
+    frame guards on that flag: the first layer would compile apart from the rest (a third more graphs in a first
+    call, and recompilations in later ones). Detaching changes no value.
+    """
 
     def forward(*args, **kwargs):
-        return compiled(*args, **kwargs) if owns(model) else eager(*args, **kwargs)
+        if not owns(model):
+            return eager(*args, **kwargs)
+        if torch.is_grad_enabled():
+            return compiled(*args, **kwargs)
+        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            args = (args[0].detach(), *args[1:])
+        elif isinstance(kwargs.get("hidden_states"), torch.Tensor) and kwargs["hidden_states"].requires_grad:
+            kwargs["hidden_states"] = kwargs["hidden_states"].detach()
+        return compiled(*args, **kwargs)
 
     return forward

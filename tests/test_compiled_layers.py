@@ -102,6 +102,31 @@ def test_compiled_layers_follow_weight_updates_between_calls():
     assert torch.equal(model.generate(input_ids, s3r_config=config, **kwargs), dense)
 
 
+def test_the_input_grad_hook_of_gradient_checkpointing_compiles_no_extra_graphs():
+    """transformers' gradient checkpointing (TRL's GRPO turns it on by default) hooks the embedding output to require
+    grad, under `no_grad` too. Only the first layer's input then requires grad, and compiled frames guard on the flag:
+    without care the first layer compiles apart from the others. The compiled layers must compile as many graphs as
+    for a model without the hook, and decode the same tokens."""
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([7, 19, 12], seed=38))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=16, return_dict_in_generate=True)
+    config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.2, min_budget=2, page_size=4, compile_layers=True,
+                       cuda_graphs=DEVICE.type == "cuda")
+    compiled, outputs = [], []
+    for hooked in (False, True):
+        torch._dynamo.reset()
+        model = s3r_hf.enable(tiny_model("llama", seed=39, num_hidden_layers=2).to(DEVICE))
+        if hooked:
+            model.enable_input_require_grads()
+            with torch.no_grad():
+                assert model.get_input_embeddings()(input_ids).requires_grad  # the hook acts under no_grad too
+        out = model.generate(input_ids, s3r_config=config, **kwargs)
+        compiled.append(out.s3r_stats.compiled_graphs)
+        outputs.append(out.sequences)
+        s3r_hf.release(model)
+    assert compiled[1] == compiled[0] > 0
+    assert torch.equal(outputs[1], outputs[0])
+
+
 def test_calls_of_new_shapes_settle_without_falling_back_to_eager():
     """Each call brings new token counts (prompt chunks, batch sizes, verify blocks). Past dynamo's default limit of
     eight recompilations a frame would run uncompiled for every new shape, silently; the compiled layers must settle
