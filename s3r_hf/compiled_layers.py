@@ -129,7 +129,7 @@ def _owner_dispatch(model: PreTrainedModel, compiled: Callable, eager: Callable)
     The hidden states reach the compiled forward detached when no gradient is recorded: transformers' gradient
     checkpointing (on by default in TRL's GRPO) marks the embedding output as requiring grad with a hook that runs
     under `no_grad` too, so the first layer's input would require grad and the others' would not, and every compiled
-    frame guards on that flag: the first layer would compile apart from the rest (a third more graphs in a first
+    frame guards on that flag: the first layer would compile apart from the rest (half again as many graphs in a first
     call, and recompilations in later ones). Detaching changes no value.
     """
 
