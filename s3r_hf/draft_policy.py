@@ -536,7 +536,7 @@ class AdaptiveDraftLength:
         ends = (0, self.max_draft_len)
         at = self.lengths.index(best)
         neighbours = self.lengths[max(at - 1, 0) : at + 2]
-        candidates = [k for k in {*ends, *neighbours} - {best}]
+        candidates = {*ends, *neighbours} - {best}
         return min(candidates, key=lambda j: (bucket.last_seen.get(j, -1), j not in ends, j))
 
     def _affordable_gap(self, values: dict[int, tuple[float, int]], best: int, k: int) -> int:

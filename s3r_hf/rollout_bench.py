@@ -160,12 +160,10 @@ def mode_kwargs(mode: str, config: S3RConfig, acceptance: float | None, stages: 
     if mode == "generate":
         return {}
     kwargs: dict[str, Any] = {"s3r_timing": "stages" if stages else True}
+    fixed_rule = replace(config, adaptive=False, adaptive_draft_lengths=None)  # the paper's fixed k
     if mode == "ar":
-        return {**kwargs, "s3r_config": replace(config, adaptive=False, adaptive_draft_lengths=None), "s3r_mode": "ar"}
-    if mode == "s3r-adaptive":
-        kwargs["s3r_config"] = config
-    else:  # the paper's fixed k
-        kwargs["s3r_config"] = replace(config, adaptive=False, adaptive_draft_lengths=None)
+        return {**kwargs, "s3r_config": fixed_rule, "s3r_mode": "ar"}
+    kwargs["s3r_config"] = config if mode == "s3r-adaptive" else fixed_rule
     if acceptance is not None:
         kwargs["s3r_forced_acceptance"] = acceptance
     return kwargs

@@ -78,10 +78,11 @@ def test_history_reading_processors_with_varying_draft_lengths():
     assert torch.equal(out, dense)
 
 
-class _CheapDrafts(AdaptiveDraftLength):
+class CheapDrafts(AdaptiveDraftLength):
     """The adaptive rule told that drafting rounds cost a tenth of their measured time, so that it drafts on any
-    device. On a GPU a tiny model's draft passes cost what its dense steps cost: the true rule decodes densely there,
-    and its probes of drafting refresh every round, so no view would ever be extended."""
+    device (also `tests/test_exactness_long.py`). On a GPU a tiny model's draft passes cost what its dense steps cost:
+    the true rule decodes densely there, and its probes of drafting refresh every round, so no view would ever be
+    extended."""
 
     def observe_cost(self, shape, draft_len, seconds, refreshes=True, follows_refresh=True):
         super().observe_cost(shape, draft_len, seconds / 10 if draft_len else seconds, refreshes, follows_refresh)
@@ -93,7 +94,7 @@ def test_the_adaptive_policy_is_the_default_and_stays_exact():
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=60)
     dense = model.generate(input_ids, **kwargs)
     assert S3RConfig().adaptive
-    policy = _CheapDrafts(3, min_probe_gap=2, refresh_intervals=(1, 2, 3))
+    policy = CheapDrafts(3, min_probe_gap=2, refresh_intervals=(1, 2, 3))
     out = model.generate(input_ids, s3r_config=_config(), s3r_draft_policy=policy, return_dict_in_generate=True,
                          **kwargs)
     assert torch.equal(out.sequences, dense)
@@ -127,8 +128,12 @@ class _OneDraftPays(AdaptiveDraftLength):
     """The adaptive rule told that a round of one draft costs 0.9 dense steps and a round of three five, whatever the
     device measured: the length in between is the one to choose."""
 
+    dense_seconds: float | None = None  # the last dense step's measured time
+
     def observe_cost(self, shape, draft_len, seconds, refreshes=True, follows_refresh=True):
-        dense = self._bucket(shape.bucket).dense() or seconds
+        if draft_len == 0:
+            self.dense_seconds = seconds
+        dense = self.dense_seconds or seconds
         scaled = {0: seconds, 1: 0.9 * dense, 3: 5.0 * dense}[draft_len]
         super().observe_cost(shape, draft_len, scaled, refreshes, follows_refresh)
 

@@ -24,8 +24,8 @@ from scipy import stats
 
 import s3r_hf
 from s3r_hf import S3RConfig
-from s3r_hf.draft_policy import AdaptiveDraftLength
 from tests.exact_distribution import tiny_enumerable_model
+from tests.test_adaptive_exactness import CheapDrafts
 
 VOCAB = 8
 PROMPT_LEN = 24
@@ -36,22 +36,15 @@ DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
 VIEWS = dict(budget_ratio=0.05, min_budget=2, page_size=4, cuda_graphs=DEVICE.type == "cuda")
 
 
-class _DraftsAlways(AdaptiveDraftLength):
-    """The adaptive rule told that drafting rounds cost a tenth of what was measured (on a CPU, and for this tiny
-    model on any device, the true rule would mostly decode densely), over lengths 0, 2 and 4: it switches between
-    dense steps, probes and drafting rounds of both lengths, and refreshes the views every round or less often."""
-
-    def observe_cost(self, shape, draft_len, seconds, refreshes=True, follows_refresh=True):
-        super().observe_cost(shape, draft_len, seconds / 10 if draft_len else seconds, refreshes, follows_refresh)
-
-
 CASES = {
     # The paper's fixed k, views refreshed every third round and extended in between.
     "fixed-k4-refresh3": dict(config=dict(adaptive=False, draft_len=4, refresh_interval=3)),
-    # The adaptive rule with a middle length and refresh intervals of its own choosing.
+    # The adaptive rule with a middle length and refresh intervals of its own choosing, told that drafts are cheap
+    # (for this tiny model the true rule would mostly decode densely): it switches between dense steps, probes and
+    # drafting rounds of both lengths, and refreshes the views every round or less often.
     "adaptive-0-2-4": dict(
         config=dict(draft_len=4, adaptive_draft_lengths=(0, 2, 4)),
-        policy=lambda: _DraftsAlways(
+        policy=lambda: CheapDrafts(
             4, lengths=(0, 2, 4), min_probe_gap=4, probe_budget=1.0, refresh_intervals=(1, 2, 3)
         ),
     ),
