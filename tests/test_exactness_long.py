@@ -113,3 +113,70 @@ def test_the_unverified_drafter_over_long_generations_is_rejected(setup):
     tokens, _ = _generate(model, prompt, seed=4, config=dict(adaptive=False, draft_len=4), mode="unverified")
     p_value = _p_value(dense, tokens)
     assert p_value < 1e-6, f"the test cannot tell the drafter from the model (p = {p_value:.3g})"
+
+
+# ---------------------------------------------------------------- response lengths: the EOS path under sampling
+# The tests above (and the G-tests) have no EOS. An RL rollout's responses end on EOS, and a round can end a response
+# anywhere in its block: an accepted EOS draft, a correction or bonus token that is EOS, or a rejection just before
+# one. Any error there shows as a different length distribution. The model here has 64 tokens, token 5 as EOS (about
+# 1.2% a position, so responses average ~84 tokens and a fifth reach the cap); the drafter's EOS rate differs enough
+# that its responses average ~72 tokens.
+EOS_VOCAB, EOS_TOKEN, EOS_ROWS = 64, 5, 2_000
+
+
+@pytest.fixture(scope="module")
+def eos_setup():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = s3r_hf.enable(tiny_enumerable_model(EOS_VOCAB, seed=0, attention_gain=8.0, output_gain=2.0).to(DEVICE))
+    prompt = torch.randint(0, EOS_VOCAB, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(100)).to(DEVICE)
+    yield model, prompt, _lengths(model, prompt, seed=1)[0]
+    torch.set_num_threads(threads)
+
+
+def _lengths(model, prompt, seed: int, config: dict | None = None, mode: str = "s3r", policy=None):
+    """Response lengths (EOS included) of `EOS_ROWS` sampled responses, and the call's `S3RStats` (None for dense
+    `generate`, which runs without `config`)."""
+    torch.manual_seed(seed)
+    kwargs = dict(attention_mask=torch.ones_like(prompt), do_sample=True, max_new_tokens=NEW_TOKENS,
+                  num_return_sequences=EOS_ROWS, eos_token_id=EOS_TOKEN, pad_token_id=EOS_TOKEN,
+                  return_dict_in_generate=True)
+    if config is not None:
+        kwargs.update(s3r_config=S3RConfig(**VIEWS, **config, seed=seed), s3r_mode=mode, s3r_draft_policy=policy)
+    out = model.generate(prompt, **kwargs)
+    responses = out.sequences[:, PROMPT_LEN:].cpu()
+    ended = responses == EOS_TOKEN  # the pad is EOS too: the first EOS ends a response
+    first_eos = ended.float().argmax(1) + 1
+    lengths = torch.where(ended.any(1), first_eos, torch.full_like(first_eos, responses.shape[1]))
+    return lengths.double().numpy(), getattr(out, "s3r_stats", None)
+
+
+def _lengths_p_value(a, b) -> float:
+    """Bonferroni over two tests of two samples of lengths: Welch's t on the mean, Mann-Whitney on the ranks."""
+    p_values = (stats.ttest_ind(a, b, equal_var=False).pvalue, stats.mannwhitneyu(a, b).pvalue)
+    return min(1.0, 2 * min(p_values))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sampled_s3r_keeps_the_dense_response_lengths(eos_setup, case):
+    model, prompt, dense = eos_setup
+    policy = CASES[case].get("policy", lambda: None)()
+    lengths, stats_ = _lengths(model, prompt, seed=3, config=CASES[case]["config"], policy=policy)
+    p_value = _lengths_p_value(dense, lengths)
+    print(f"\n[{case}] mean length {lengths.mean():.1f} (dense {dense.mean():.1f}), p = {p_value:.3g}, "
+          f"drafted {stats_.drafted}, accepted {stats_.accepted}")
+    assert p_value > 1e-3, f"S3R's responses end at other lengths than dense sampling's (p = {p_value:.3g})"
+    # Both ends of a response are exercised (EOS and the cap), and the responses were drafted throughout.
+    assert 0.05 < (dense == NEW_TOKENS).mean() < 0.5
+    assert stats_.drafted > 5 * EOS_ROWS and 0 < stats_.accepted < stats_.drafted
+    if policy is not None:
+        assert {0, 4} <= set(policy.choices)  # the rule switched between dense steps and drafting rounds
+
+
+def test_the_unverified_drafter_response_lengths_are_rejected(eos_setup):
+    """Power check: the same test tells the sparse drafter's response lengths from dense ones."""
+    model, prompt, dense = eos_setup
+    lengths, _ = _lengths(model, prompt, seed=4, config=dict(adaptive=False, draft_len=4), mode="unverified")
+    p_value = _lengths_p_value(dense, lengths)
+    print(f"\n[unverified] mean length {lengths.mean():.1f} (dense {dense.mean():.1f}), p = {p_value:.3g}")
+    assert p_value < 1e-6, f"the test cannot tell the drafter's lengths from the model's (p = {p_value:.3g})"
