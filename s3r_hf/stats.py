@@ -42,6 +42,11 @@ class S3RStats:
     committed: int = 0
     prefill_tokens: int = 0
     shared_prompt_tokens: int = 0  # prompt tokens copied from another request's identical prompt, not computed
+    # Mixed steps (`S3RConfig.mixed_steps`) that prefilled prompt chunks next to decoding requests: packed into the
+    # round's verify forward, or run in a forward of their own because that round was a dense step already queued
+    # on the device (launched early behind the step before).
+    mixed_steps_packed: int = 0
+    mixed_steps_beside_queued: int = 0
     offload_episodes: int = 0  # requests paused (KV moved to host memory) under KV pressure
     pages_offloaded: int = 0  # KV pages copied to host memory by those pauses
     pages_restored: int = 0  # and copied back when the requests resumed
@@ -239,6 +244,8 @@ class S3RStats:
             "committed": self.committed,
             "prefill_tokens": self.prefill_tokens,
             "shared_prompt_tokens": self.shared_prompt_tokens,
+            "mixed_steps_packed": self.mixed_steps_packed,
+            "mixed_steps_beside_queued": self.mixed_steps_beside_queued,
             "offload_episodes": self.offload_episodes,
             "pages_offloaded": self.pages_offloaded,
             "pages_restored": self.pages_restored,

@@ -24,6 +24,7 @@ from scipy import stats
 
 import s3r_hf
 from s3r_hf import S3RConfig
+from s3r_hf.draft_policy import ScriptedDraftLength
 from tests.exact_distribution import tiny_enumerable_model
 from tests.test_adaptive_exactness import CheapDrafts
 
@@ -179,4 +180,33 @@ def test_the_unverified_drafter_response_lengths_are_rejected(eos_setup):
     lengths, _ = _lengths(model, prompt, seed=4, config=dict(adaptive=False, draft_len=4), mode="unverified")
     p_value = _lengths_p_value(dense, lengths)
     print(f"\n[unverified] mean length {lengths.mean():.1f} (dense {dense.mean():.1f}), p = {p_value:.3g}")
+    assert p_value < 1e-6, f"the test cannot tell the drafter's lengths from the model's (p = {p_value:.3g})"
+
+
+# Requests arriving as others end (2,000 responses through 128 slots), mixed steps on, and a draft-length script
+# that is mostly dense steps, as the adaptive rule is where drafting does not pay: arrivals then meet dense steps
+# launched early, and their prompts run beside them (`engine/mixed_step.py`); others are packed into the round.
+ARRIVALS = dict(adaptive=False, draft_len=4, mixed_steps=True, concurrency_min=128, concurrency_max=128)
+MOSTLY_DENSE = [0, 0, 0, 4]
+
+
+def test_sampled_mixed_steps_keep_the_dense_response_lengths(eos_setup):
+    model, prompt, dense = eos_setup
+    lengths, stats_ = _lengths(model, prompt, seed=5, config=ARRIVALS, policy=ScriptedDraftLength(MOSTLY_DENSE))
+    p_value = _lengths_p_value(dense, lengths)
+    print(f"\n[mixed steps] mean length {lengths.mean():.1f} (dense {dense.mean():.1f}), p = {p_value:.3g}, "
+          f"packed {stats_.mixed_steps_packed}, beside a queued step {stats_.mixed_steps_beside_queued}")
+    assert p_value > 1e-3, f"S3R's responses end at other lengths than dense sampling's (p = {p_value:.3g})"
+    assert stats_.mixed_steps_beside_queued > 0 and stats_.mixed_steps_packed > 0
+    assert stats_.drafted > 5 * EOS_ROWS and 0 < stats_.accepted < stats_.drafted
+
+
+def test_the_unverified_drafter_response_lengths_are_rejected_with_mixed_steps(eos_setup):
+    """Power check of the test above, in its configuration."""
+    model, prompt, dense = eos_setup
+    lengths, stats_ = _lengths(model, prompt, seed=6, config=ARRIVALS, policy=ScriptedDraftLength(MOSTLY_DENSE),
+                               mode="unverified")
+    p_value = _lengths_p_value(dense, lengths)
+    print(f"\n[unverified, mixed steps] mean length {lengths.mean():.1f} (dense {dense.mean():.1f}), p = {p_value:.3g}")
+    assert stats_.mixed_steps_packed > 0
     assert p_value < 1e-6, f"the test cannot tell the drafter's lengths from the model's (p = {p_value:.3g})"

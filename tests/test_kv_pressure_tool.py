@@ -22,11 +22,11 @@ def test_the_table_runs_every_mode_under_kv_pressure(tmp_path):
     runs = result["runs"]
     # Admissions take whatever fits now in every run but one, which forecasts with two deviations of margin.
     assert list(runs) == ["S3R ample pool", "AR, AIMD", "S3R offload-4", "S3R AIMD, admission z=2.0", "S3R AIMD",
-                          "S3R AIMD, mixed steps"]
+                          "S3R AIMD, mixed steps", "AR, AIMD, mixed steps"]
     assert all("error" not in record for record in runs.values()), runs
     assert runs["S3R ample pool"]["offload_episodes"] == 0
     assert result["num_pages"] == round(0.5 * result["peak_pages"])
-    for name in ("AR, AIMD", "S3R AIMD", "S3R AIMD, mixed steps"):
+    for name in ("AR, AIMD", "S3R AIMD", "S3R AIMD, mixed steps", "AR, AIMD, mixed steps"):
         record = runs[name]
         assert record["stats"]["peak_kv_pages"] <= result["num_pages"]
         low, high, _ = record["concurrency"]

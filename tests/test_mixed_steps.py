@@ -89,6 +89,31 @@ def test_greedy_equals_dense_when_dense_steps_precede_mixed_steps(mixed_steps):
     assert mixed_steps["steps"] > 0 and policy.rounds >= 12
 
 
+@pytest.mark.parametrize("mode, policy, num_pages", [("ar", None, None), ("ar", None, SMALL_POOL),
+                                                     ("s3r", [0, 0, 0, 0, 0, 2], None)])
+def test_prompts_run_beside_a_dense_step_launched_early(mode, policy, num_pages, mixed_steps):
+    """In the dense regime the step's dense forward was launched behind the step before; a mixed step then runs it
+    and the prompt chunks in a forward of their own, instead of packing them into a forward that decodes every row
+    again. Both kinds of mixed step run, and the output equals dense decoding and the lockstep engine's."""
+    model = s3r_hf.enable(tiny_model("qwen3", seed=5))
+    input_ids, attention_mask = left_padded_batch(PROMPTS, seed=6)
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=24, pad_token_id=0, s3r_mode=mode)
+    dense = model.generate(input_ids, **{k: v for k, v in kwargs.items() if k != "s3r_mode"})
+    config = dict(QUEUE, num_pages=num_pages)
+
+    def run(**extra):
+        scripted = {"s3r_draft_policy": ScriptedDraftLength(policy)} if policy else {}
+        return model.generate(input_ids, s3r_config=S3RConfig(**config, **extra), return_dict_in_generate=True,
+                              **scripted, **kwargs)
+
+    mixed, lockstep = run(mixed_steps=True), run()
+    stats = mixed.s3r_stats
+    assert stats.mixed_steps_beside_queued > 0 and stats.mixed_steps_packed > 0
+    assert stats.mixed_steps_beside_queued + stats.mixed_steps_packed == mixed_steps["steps"]
+    assert torch.equal(mixed.sequences, dense)
+    assert torch.equal(lockstep.sequences, dense)
+
+
 def test_greedy_equals_dense_when_a_request_is_paused_mid_prompt(mixed_steps, monkeypatch):
     """Long prompts in chunks of 8 tokens and a pool of 24 pages: a round needs room while a prompt is half
     prefilled, so that request is paused (offloaded) and restored, and prefills on from where it stopped."""

@@ -15,7 +15,8 @@ runs share the model's kept state, so admissions after the first run forecast fr
 runs before (`engine/kv_forecast.py`), as in an RL loop's later steps.
 Reported: generation tokens/s, decode time without CUDA-graph captures, pages moved per 1,000 generated tokens
 (offloaded plus restored: the paper's measure), offload episodes, peak host KV, the concurrency limit's range and
-back-offs, and tau.
+back-offs, tau, decode steps, and the mixed steps that packed prompt chunks into the round's forward or ran them
+beside a dense step launched early (`engine/mixed_step.py`).
 
     python tools/kv_pressure.py --json kv_pressure.json
 """
@@ -47,6 +48,8 @@ def runs(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
     for sigmas in args.admission_sigmas[1:]:  # the first is every run's (`base`)
         table.append((f"S3R AIMD, admission z={sigmas}", "s3r", {**aimd, "admission_sigmas": sigmas}))
     table += [("S3R AIMD", "s3r", aimd), ("S3R AIMD, mixed steps", "s3r", {**aimd, "mixed_steps": True})]
+    # Engine AR's mixed steps too: in the dense regime the adaptive rule is in, they are what S3R's mixed steps run.
+    table.append(("AR, AIMD, mixed steps", "ar", {**aimd, "mixed_steps": True}))
     return table
 
 
@@ -85,7 +88,8 @@ def print_table(result: dict, console: Console) -> None:
     table = Table(title=f"{result['model']}: {result['requests']} requests, pool {result['num_pages']} pages "
                         f"({result['pool_fraction']:.0%} of the ample run's peak {result['peak_pages']})")
     for column in ("run", "s/call", "tok/s", "÷ AR", "decode tok/s", "pages moved / 1K", "offloads",
-                   "peak host KV GiB", "limit min-max (final)", "back-offs", "tau"):
+                   "peak host KV GiB", "limit min-max (final)", "back-offs", "tau", "steps",
+                   "mixed: packed / beside"):
         table.add_column(column, justify="left" if column == "run" else "right")
     ar = result["runs"].get("AR, AIMD", {}).get("tokens_per_s")
     for name, record in result["runs"].items():
@@ -98,7 +102,8 @@ def print_table(result: dict, console: Console) -> None:
             f"{record['tokens_per_s'] / ar:.2f}x" if ar else "-", f"{record['decode_tokens_per_s']:,.0f}",
             f"{record['pages_moved_per_1k_tokens']:.2f}", str(record["offload_episodes"]),
             f"{record['peak_host_kv_gib']:.2f}", f"{low}-{high} ({final})", str(record["concurrency_backoffs"]),
-            f"{record['tau']:.2f}",
+            f"{record['tau']:.2f}", str(record["stats"]["decode_steps"]),
+            f"{record['stats']['mixed_steps_packed']} / {record['stats']['mixed_steps_beside_queued']}",
         )
     console.print(table)
 

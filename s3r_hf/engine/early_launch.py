@@ -141,19 +141,26 @@ class EarlyLaunches:
         )
         self.step = LaunchedStep(list(requests), verified, scored)  # `requests` is mutated later
 
-    def take_dense_step(self, requests: list[Request], scored: bool) -> Verified | None:
-        """This step's forward from `launch_dense_step`, for the rows of `requests`; None when there is none, it is
-        not the kind of step this one is (`scored`), or a request joined since (then the step runs again)."""
-        launched, self.step = self.step, None
+    def has_dense_step_for(self, requests: list[Request], scored: bool) -> bool:
+        """Whether `take_dense_step(requests, scored)` would serve the step launched early: there is one, of this
+        kind (`scored`), and no request joined since. A scored step serves only the very rows it was launched for:
+        its scores are laid out by them, and a refresh would read other requests' segments."""
+        launched = self.step
         if launched is None or launched.scored != scored:
+            return False
+        rows = launched_rows(launched.requests, requests)
+        return None not in rows and (not scored or rows == list(range(len(launched.requests))))
+
+    def take_dense_step(self, requests: list[Request], scored: bool) -> Verified | None:
+        """This step's forward from `launch_dense_step`, for the rows of `requests`; None when it would not serve
+        (`has_dense_step_for`; then the step runs again)."""
+        serves = self.has_dense_step_for(requests, scored)
+        launched, self.step = self.step, None
+        if not serves:
             return None
         rows = launched_rows(launched.requests, requests)
-        if None in rows:
-            return None
         if rows == list(range(len(launched.requests))):
             return launched.verified
-        if scored:  # its scores are laid out by the launched rows; the refresh would read other requests' segments
-            return None
         keep = self.runner.tensor(rows)  # one query per request, so a request's row is its logits row too
         verified = launched.verified
         return Verified(verified.plan, verified.logits[keep], list(range(len(rows) + 1)), verified.target_scores[keep])

@@ -154,7 +154,10 @@ class ModelRunner:
         Returns the plan, the segment index and request of every prompt finished by this step, and the logits
         of those prompts' last tokens.
         """
-        chunks = self.prompt_chunks(requests, donors=donors)
+        return self.chunks_forward(self.prompt_chunks(requests, donors=donors))
+
+    def chunks_forward(self, chunks: PromptChunks):
+        """One forward over `chunks` alone (their pages reserved); returns what `prefill_forward` returns."""
         dense = DenseSegments(
             query_index=None,
             cu_seqlens=self.int32(chunks.cu_seqlens),

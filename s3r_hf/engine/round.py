@@ -69,6 +69,14 @@ class SpeculativeRound:
         self.round_k = self.policy.choose(round_shape(requests)) if k is None else k
         return self.round_k
 
+    def runs_queued_dense_step(self, requests: list[Request], k: int) -> bool:
+        """Whether a round of draft length `k` would run as a dense step (`k = 0`, or the refresh step before
+        drafting resumes) whose forward the round before already launched for these requests."""
+        refresh_step = k > 0 and self.views_stale and self.refreshes_views
+        if k > 0 and not refresh_step:
+            return False
+        return self.early.has_dense_step_for(requests, scored=refresh_step)
+
     def draft_count(self, request: Request) -> int:
         """Drafts this round: `max_new_tokens` shortens the last block (the round adds drafts + 1 tokens)."""
         if not self.round_k:  # a dense step (asked for every request, twice per step)
