@@ -9,10 +9,12 @@ pairs), SiLU·mul on the gate/up GEMM (a program owns matching gate and up colum
 O and down projections. The weights are read from the model's own linears: nothing is copied, so an optimizer step
 between calls needs nothing refreshed.
 
-At decode row counts a GEMM has few output tiles (15 Q/K/V heads for SmolLM2), so each program's K loop, a chain of
-dependent loads, sets the time. Where the tiles leave SMs idle the K range is split over several programs
-(`_splits`); each stores its float32 partial sums, and the last of a tile's programs to arrive (an atomic count)
-adds them in split order and runs the epilogue: one launch, and the same result in every launch.
+At decode row counts a GEMM has few output tiles (15 Q/K/V heads for SmolLM2), so a program's chain of dependent
+memory round trips sets the time, not its bytes. The chains are kept short: the norm's pass over the row issues all
+of its loads at once (an unrolled loop), and what the epilogues read (rotary cos/sin, biases, the residual) is loaded
+before the K loop, so those round trips overlap it. Where the tiles leave SMs idle the K range is split over several
+programs (`_splits`); each stores its float32 partial sums, and the last of a tile's programs to arrive (an atomic
+count) adds them in split order and runs the epilogue: one launch, and the same result in every launch.
 
 Every function has the signature and results of its reference (`layer_reference.py`); tests compare them, on CUDA
 and under `TRITON_INTERPRET=1`.
@@ -129,11 +131,15 @@ def _sum_partials(partials_ptr, tile, index, TILES, NUM_ACC: tl.constexpr, SPLIT
 
 
 @triton.jit
-def _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / RMS of each row of `x` (float32), as `LlamaRMSNorm` computes it."""
+def _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+              K_BLOCKS: tl.constexpr):
+    """1 / RMS of each row of `x` (float32), as `LlamaRMSNorm` computes it. The loop over the row's `K_BLOCKS` tiles
+    is unrolled, so their loads are issued together: one memory round trip before the K loop instead of one per
+    tile."""
     ks = tl.arange(0, BLOCK_K)
     squares = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for block in tl.static_range(K_BLOCKS):
+        k0 = block * BLOCK_K
         k_ok = (k0 + ks) < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
@@ -164,23 +170,43 @@ def _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _qkv_epilogue(low, high, rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin_ptr, out_ptr, stride_cm,
-                  stride_om, stride_oh, head_eps, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, HEAD_NORM: tl.constexpr):
+def _qkv_epilogue_inputs(rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin_ptr, stride_cm, HQ: tl.constexpr,
+                         HKV: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_NORM: tl.constexpr):
+    """What `_qkv_epilogue` reads besides the products: loaded before the K loop, so these loads overlap it instead
+    of adding a round trip after it. Value heads rotate nothing: their cos/sin loads are masked off."""
     if HAS_BIAS:
-        low += tl.load(bias + dims).to(tl.float32)[None, :]
-        high += tl.load(bias + HALF + dims).to(tl.float32)[None, :]
+        bias_low, bias_high = tl.load(bias + dims), tl.load(bias + HALF + dims)
+    else:
+        bias_low, bias_high = tl.zeros([HALF], tl.float32), tl.zeros([HALF], tl.float32)
+    if HEAD_NORM:
+        norm_low, norm_high = tl.load(head_norm + dims), tl.load(head_norm + HALF + dims)
+    else:
+        norm_low, norm_high = tl.zeros([HALF], tl.float32), tl.zeros([HALF], tl.float32)
+    angles = rows[:, None] * stride_cm + dims[None, :]
+    rotates = tl.zeros_like(rows) + head < HQ + HKV  # a vector: the interpreter masks with no scalar boolean
+    mask = (row_ok & rotates)[:, None]
+    cos_low = tl.load(cos_ptr + angles, mask=mask, other=0.0)
+    cos_high = tl.load(cos_ptr + angles + HALF, mask=mask, other=0.0)
+    sin_low = tl.load(sin_ptr + angles, mask=mask, other=0.0)
+    sin_high = tl.load(sin_ptr + angles + HALF, mask=mask, other=0.0)
+    return bias_low, bias_high, norm_low, norm_high, cos_low, cos_high, sin_low, sin_high
+
+
+@triton.jit
+def _qkv_epilogue(low, high, inputs, rows, row_ok, dims, head, out_ptr, stride_om, stride_oh, head_eps,
+                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  HEAD_NORM: tl.constexpr):
+    bias_low, bias_high, norm_low, norm_high, cos_low, cos_high, sin_low, sin_high = inputs
+    if HAS_BIAS:
+        low += bias_low.to(tl.float32)[None, :]
+        high += bias_high.to(tl.float32)[None, :]
     if head < HQ + HKV:  # queries and keys: per-head norm (Qwen3), then the rotary embedding
         if HEAD_NORM:
             head_rstd = 1.0 / tl.sqrt((tl.sum(low * low, 1) + tl.sum(high * high, 1)) / (2 * HALF) + head_eps)
-            low = low * head_rstd[:, None] * tl.load(head_norm + dims).to(tl.float32)[None, :]
-            high = high * head_rstd[:, None] * tl.load(head_norm + HALF + dims).to(tl.float32)[None, :]
-        angles = rows[:, None] * stride_cm + dims[None, :]
-        mask = row_ok[:, None]
-        cos_low = tl.load(cos_ptr + angles, mask=mask, other=0.0).to(tl.float32)
-        cos_high = tl.load(cos_ptr + angles + HALF, mask=mask, other=0.0).to(tl.float32)
-        sin_low = tl.load(sin_ptr + angles, mask=mask, other=0.0).to(tl.float32)
-        sin_high = tl.load(sin_ptr + angles + HALF, mask=mask, other=0.0).to(tl.float32)
+            low = low * head_rstd[:, None] * norm_low.to(tl.float32)[None, :]
+            high = high * head_rstd[:, None] * norm_high.to(tl.float32)[None, :]
+        cos_low, cos_high = cos_low.to(tl.float32), cos_high.to(tl.float32)
+        sin_low, sin_high = sin_low.to(tl.float32), sin_high.to(tl.float32)
         low, high = low * cos_low - high * sin_low, high * cos_high + low * sin_high
     out = out_ptr + rows[:, None] * stride_om + head * stride_oh + dims[None, :]
     dtype = out_ptr.dtype.element_ty
@@ -193,7 +219,8 @@ def _norm_qkv_rope_kernel(
     x_ptr, norm_ptr, qw_ptr, kw_ptr, vw_ptr, qb_ptr, kb_ptr, vb_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, out_ptr,
     partials_ptr, counts_ptr, M, K, BLOCKS_PER_SPLIT, stride_xm, stride_cm, stride_om, stride_oh, eps, head_eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_NORM: tl.constexpr, PRECISION: tl.constexpr,
+    K_BLOCKS: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_NORM: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     head = tl.program_id(1)  # queries 0..HQ-1, keys HQ..HQ+HKV-1, values after them
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -207,7 +234,9 @@ def _norm_qkv_rope_kernel(
         weight, bias, head_norm = (
             vw_ptr + (head - HQ - HKV) * 2 * HALF * K, vb_ptr + (head - HQ - HKV) * 2 * HALF, kn_ptr
         )
-    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K)
+    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, K_BLOCKS)
+    inputs = _qkv_epilogue_inputs(rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin_ptr, stride_cm, HQ, HKV,
+                                  HALF, HAS_BIAS, HEAD_NORM)
     low = tl.zeros([BLOCK_M, HALF], tl.float32)  # the head's first half of dimensions
     high = tl.zeros([BLOCK_M, HALF], tl.float32)  # its second half: `rotate_half` pairs dimension i with i + HALF
     begin, end = _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K, SPLITS)
@@ -217,8 +246,8 @@ def _norm_qkv_rope_kernel(
         w_high = tl.load(weight + (dims + HALF)[:, None] * K + ks[None, :], mask=k_ok[None, :], other=0.0)
         low += tl.dot(normed, tl.trans(w_low), input_precision=PRECISION)
         high += tl.dot(normed, tl.trans(w_high), input_precision=PRECISION)
-    epilogue_args = (rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin_ptr, out_ptr, stride_cm, stride_om,
-                     stride_oh, head_eps, HQ, HKV, HALF, HAS_BIAS, HEAD_NORM)
+    epilogue_args = (inputs, rows, row_ok, dims, head, out_ptr, stride_om, stride_oh, head_eps, HQ, HKV, HALF,
+                     HAS_BIAS, HEAD_NORM)
     if SPLITS == 1:
         _qkv_epilogue(low, high, *epilogue_args)
     else:
@@ -270,7 +299,8 @@ def norm_qkv_rope(
         cos, sin, q_norm_weight if head_norm else placeholder, k_norm_weight if head_norm else placeholder, out,
         partials, counts, rows, hidden, blocks_per_split, x.stride(0), cos.stride(0),
         out.stride(0), out.stride(1), eps, head_norm_eps,
-        HQ=num_heads, HKV=num_kv_heads, HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_K=block_k, SPLITS=splits,
+        HQ=num_heads, HKV=num_kv_heads, HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_K=block_k,
+        K_BLOCKS=triton.cdiv(hidden, block_k), SPLITS=splits,
         HAS_BIAS=has_bias, HEAD_NORM=head_norm, PRECISION=_dot_precision(x.dtype), num_warps=warps,
         num_stages=stages,
     )
@@ -280,13 +310,13 @@ def norm_qkv_rope(
 @triton.jit(do_not_specialize=["M", "BLOCKS_PER_SPLIT"])
 def _norm_gate_up_silu_kernel(
     x_ptr, norm_ptr, gate_ptr, up_ptr, out_ptr, partials_ptr, counts_ptr, M, K, N, BLOCKS_PER_SPLIT, stride_xm,
-    stride_om, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    stride_om, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
+    SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K)
+    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, K_BLOCKS)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     begin, end = _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K, SPLITS)
@@ -351,19 +381,18 @@ def norm_gate_up_silu(
     _norm_gate_up_silu_kernel[t.grid](
         x, norm_weight, gate_weight.contiguous(), up_weight.contiguous(), out, partials, counts, rows, hidden,
         columns, t.blocks_per_split, x.stride(0), out.stride(0), eps,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLITS=t.splits, PRECISION=_dot_precision(x.dtype),
-        num_warps=t.warps, num_stages=t.stages,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, K_BLOCKS=triton.cdiv(hidden, t.block_k),
+        SPLITS=t.splits, PRECISION=_dot_precision(x.dtype), num_warps=t.warps, num_stages=t.stages,
     )
     return out
 
 
 @triton.jit
-def _residual_epilogue(acc, b_ptr, res_ptr, out_ptr, rows, cols, row_ok, col_ok, stride_rm, stride_om,
-                       HAS_BIAS: tl.constexpr):
+def _residual_epilogue(acc, residual, bias, out_ptr, rows, cols, row_ok, col_ok, stride_om, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc += bias.to(tl.float32)[None, :]
+    acc += residual.to(tl.float32)
     mask = row_ok[:, None] & col_ok[None, :]
-    acc += tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -376,6 +405,13 @@ def _linear_residual_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
+    # The epilogue's residual and bias, loaded before the K loop so that their round trip overlaps it.
+    residual = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                       other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
+    else:
+        bias = tl.zeros([BLOCK_N], tl.float32)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     begin, end = _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K, SPLITS)
@@ -385,7 +421,7 @@ def _linear_residual_kernel(
                     other=0.0)
         w = tl.load(w_ptr + cols[:, None] * K + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    epilogue_args = (b_ptr, res_ptr, out_ptr, rows, cols, row_ok, col_ok, stride_rm, stride_om, HAS_BIAS)
+    epilogue_args = (residual, bias, out_ptr, rows, cols, row_ok, col_ok, stride_om, HAS_BIAS)
     if SPLITS == 1:
         _residual_epilogue(acc, *epilogue_args)
     else:
