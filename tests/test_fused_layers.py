@@ -65,10 +65,12 @@ def _qkv_inputs(rows, hidden, head_dim, heads, kv_heads, dtype, bias, head_norm,
 @pytest.fixture(params=["chosen", "split"])
 def launch(request, monkeypatch):
     """The kernels at their chosen launch settings, and with 16-wide K blocks split over several programs (a
-    96-long reduction is six blocks: three splits of two; 80 is five: three splits of two, two and one)."""
+    96-long reduction is six blocks: three splits of two; 80 is five: three splits of two, two and one) and the
+    norm's pass over the row as a loop, as for rows wider than `UNROLLED_NORM_MAX`."""
     if request.param == "split":
         monkeypatch.setattr(layer_triton, "LAUNCH_OVERRIDE", (16, 1, 4))
         monkeypatch.setattr(layer_triton, "MAX_SPLITS", 4)
+        monkeypatch.setattr(layer_triton, "UNROLLED_NORM_MAX", 0)
     yield request.param
     counts = layer_triton._arrival_counts.get(DEVICE)
     assert counts is None or not counts.any(), "a split launch left its arrival counts set"

@@ -55,6 +55,15 @@ def _launch(rows: int, dtype: torch.dtype) -> tuple[int, int, int]:
     return row_bytes // dtype.itemsize, stages, warps
 
 
+# Rows up to this many elements wide have their norm's loads issued at once. Wider rows hold too many registers
+# that way: Qwen3-1.7B's 2,048 made the gate/up kernel slower (docs/benchmarks.md, "Kernel launch settings").
+UNROLLED_NORM_MAX = 1024
+
+
+def _unrolls_norm(hidden: int) -> bool:
+    return hidden <= UNROLLED_NORM_MAX
+
+
 _sm_counts: dict[torch.device, int] = {}
 _arrival_counts: dict[torch.device, torch.Tensor] = {}
 _MAX_TILES = 4096
@@ -131,19 +140,27 @@ def _sum_partials(partials_ptr, tile, index, TILES, NUM_ACC: tl.constexpr, SPLIT
 
 
 @triton.jit
+def _tile_squares(x_ptr, rows, row_ok, stride_xm, k0, K, BLOCK_K: tl.constexpr):
+    """Sum of squares over the row tile `[k0, k0 + BLOCK_K)` of each row of `x` (float32)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+    x = x.to(tl.float32)
+    return tl.sum(x * x, 1)
+
+
+@triton.jit
 def _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-              K_BLOCKS: tl.constexpr):
-    """1 / RMS of each row of `x` (float32), as `LlamaRMSNorm` computes it. The loop over the row's `K_BLOCKS` tiles
-    is unrolled, so their loads are issued together: one memory round trip before the K loop instead of one per
-    tile."""
-    ks = tl.arange(0, BLOCK_K)
+              K_BLOCKS: tl.constexpr, UNROLL_NORM: tl.constexpr):
+    """1 / RMS of each row of `x` (float32), as `LlamaRMSNorm` computes it. With `UNROLL_NORM` the loop over the
+    row's `K_BLOCKS` tiles is unrolled, so their loads are issued together: one memory round trip before the K loop
+    instead of one per tile (`_unrolls_norm` says for which rows)."""
     squares = tl.zeros([BLOCK_M], tl.float32)
-    for block in tl.static_range(K_BLOCKS):
-        k0 = block * BLOCK_K
-        k_ok = (k0 + ks) < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        squares += tl.sum(x * x, 1)
+    if UNROLL_NORM:
+        for block in tl.static_range(K_BLOCKS):
+            squares += _tile_squares(x_ptr, rows, row_ok, stride_xm, block * BLOCK_K, K, BLOCK_K)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            squares += _tile_squares(x_ptr, rows, row_ok, stride_xm, k0, K, BLOCK_K)
     return 1.0 / tl.sqrt(squares / K + eps)
 
 
@@ -205,9 +222,9 @@ def _qkv_epilogue(low, high, inputs, rows, row_ok, dims, head, out_ptr, stride_o
             head_rstd = 1.0 / tl.sqrt((tl.sum(low * low, 1) + tl.sum(high * high, 1)) / (2 * HALF) + head_eps)
             low = low * head_rstd[:, None] * norm_low.to(tl.float32)[None, :]
             high = high * head_rstd[:, None] * norm_high.to(tl.float32)[None, :]
-        cos_low, cos_high = cos_low.to(tl.float32), cos_high.to(tl.float32)
-        sin_low, sin_high = sin_low.to(tl.float32), sin_high.to(tl.float32)
-        low, high = low * cos_low - high * sin_low, high * cos_high + low * sin_high
+        c_low, c_high = cos_low.to(tl.float32), cos_high.to(tl.float32)
+        s_low, s_high = sin_low.to(tl.float32), sin_high.to(tl.float32)
+        low, high = low * c_low - high * s_low, high * c_high + low * s_high
     out = out_ptr + rows[:, None] * stride_om + head * stride_oh + dims[None, :]
     dtype = out_ptr.dtype.element_ty
     tl.store(out, low.to(dtype), mask=row_ok[:, None])
@@ -219,8 +236,8 @@ def _norm_qkv_rope_kernel(
     x_ptr, norm_ptr, qw_ptr, kw_ptr, vw_ptr, qb_ptr, kb_ptr, vb_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, out_ptr,
     partials_ptr, counts_ptr, M, K, BLOCKS_PER_SPLIT, stride_xm, stride_cm, stride_om, stride_oh, eps, head_eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_BLOCKS: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_NORM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    K_BLOCKS: tl.constexpr, UNROLL_NORM: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HEAD_NORM: tl.constexpr, PRECISION: tl.constexpr,
 ):
     head = tl.program_id(1)  # queries 0..HQ-1, keys HQ..HQ+HKV-1, values after them
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -234,7 +251,7 @@ def _norm_qkv_rope_kernel(
         weight, bias, head_norm = (
             vw_ptr + (head - HQ - HKV) * 2 * HALF * K, vb_ptr + (head - HQ - HKV) * 2 * HALF, kn_ptr
         )
-    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, K_BLOCKS)
+    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, K_BLOCKS, UNROLL_NORM)
     inputs = _qkv_epilogue_inputs(rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin_ptr, stride_cm, HQ, HKV,
                                   HALF, HAS_BIAS, HEAD_NORM)
     low = tl.zeros([BLOCK_M, HALF], tl.float32)  # the head's first half of dimensions
@@ -300,7 +317,7 @@ def norm_qkv_rope(
         partials, counts, rows, hidden, blocks_per_split, x.stride(0), cos.stride(0),
         out.stride(0), out.stride(1), eps, head_norm_eps,
         HQ=num_heads, HKV=num_kv_heads, HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_K=block_k,
-        K_BLOCKS=triton.cdiv(hidden, block_k), SPLITS=splits,
+        K_BLOCKS=triton.cdiv(hidden, block_k), UNROLL_NORM=_unrolls_norm(hidden), SPLITS=splits,
         HAS_BIAS=has_bias, HEAD_NORM=head_norm, PRECISION=_dot_precision(x.dtype), num_warps=warps,
         num_stages=stages,
     )
@@ -311,12 +328,12 @@ def norm_qkv_rope(
 def _norm_gate_up_silu_kernel(
     x_ptr, norm_ptr, gate_ptr, up_ptr, out_ptr, partials_ptr, counts_ptr, M, K, N, BLOCKS_PER_SPLIT, stride_xm,
     stride_om, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
-    SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    UNROLL_NORM: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, K_BLOCKS)
+    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, K_BLOCKS, UNROLL_NORM)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     begin, end = _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K, SPLITS)
@@ -382,7 +399,8 @@ def norm_gate_up_silu(
         x, norm_weight, gate_weight.contiguous(), up_weight.contiguous(), out, partials, counts, rows, hidden,
         columns, t.blocks_per_split, x.stride(0), out.stride(0), eps,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, K_BLOCKS=triton.cdiv(hidden, t.block_k),
-        SPLITS=t.splits, PRECISION=_dot_precision(x.dtype), num_warps=t.warps, num_stages=t.stages,
+        UNROLL_NORM=_unrolls_norm(hidden), SPLITS=t.splits, PRECISION=_dot_precision(x.dtype), num_warps=t.warps,
+        num_stages=t.stages,
     )
     return out
 
