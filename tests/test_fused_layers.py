@@ -77,7 +77,7 @@ def launch(request, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 7, 40])
+@pytest.mark.parametrize("rows", [1, 7, 24, 40])
 @pytest.mark.parametrize("variant", ["llama", "qwen2-bias", "qwen3-head-norm"])
 def test_norm_qkv_rope_matches_reference(dtype, rows, variant, launch):
     inputs = _qkv_inputs(rows, 96, 32, heads=3, kv_heads=1, dtype=dtype, bias=variant == "qwen2-bias",
@@ -89,7 +89,7 @@ def test_norm_qkv_rope_matches_reference(dtype, rows, variant, launch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 33])
+@pytest.mark.parametrize("rows", [1, 24, 33])
 def test_norm_gate_up_silu_matches_reference(dtype, rows, launch):
     generator = torch.Generator().manual_seed(1)
     x, norm, gate, up = (

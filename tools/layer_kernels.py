@@ -11,7 +11,8 @@ queries; 16: a rollout's tail) it times, replayed from a CUDA graph as the engin
   fused      the three kernels of `kernels/layer_triton.py` (four launches), and each kernel alone
 The attention is left out: its input is a fixed tensor. The fused output is compared with the reference
 (`kernels/layer_reference.py`); the floor is the layer's weight bytes at the measured copy bandwidth. `--sweep` also
-times the fused kernels at other tile settings (K block, pipeline stages, warps) with and without split K ranges.
+times the fused kernels at other tile settings (K block, pipeline stages, warps, 16-row blocks) with and without split K
+ranges.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ SHAPES = {  # hidden, intermediate, query heads, KV heads, head dim, Qwen3's per
     "smollm2-135m": dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, head_norm=False),
     "qwen3-1.7b": dict(hidden=2048, intermediate=6144, heads=16, kv_heads=8, head_dim=128, head_norm=True),
 }
-SWEEP = [  # layer_triton's LAUNCH_OVERRIDE (K block, stages, warps) and MAX_SPLITS
-    dict(LAUNCH_OVERRIDE=launch, MAX_SPLITS=splits)
-    for launch, splits in itertools.product(((64, 3, 4), (64, 3, 8), (128, 3, 4), (128, 3, 8), (128, 2, 8)), (1, 8))
+SWEEP = [  # layer_triton's LAUNCH_OVERRIDE (K block, stages, warps), MAX_SPLITS and BLOCK_M_OVERRIDE (rows)
+    dict(LAUNCH_OVERRIDE=launch, MAX_SPLITS=splits, BLOCK_M_OVERRIDE=block_m)
+    for launch, splits, block_m in itertools.product(
+        ((64, 3, 4), (64, 3, 8), (128, 3, 4), (128, 3, 8), (128, 2, 8)), (1, 8), (None, 16)
+    )
 ]
 
 

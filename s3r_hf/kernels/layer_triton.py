@@ -32,8 +32,15 @@ from s3r_hf.kernels.triton_backend import _dot_precision, variant_keys
 
 
 def _block_m(rows: int) -> int:
-    """Rows per program: tensor-core tiles need 16 at least; more rows reuse each weight tile for more of them."""
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+    """Rows per program: tensor-core tiles need 16 at least. Up to 32 rows, two programs of 16 rows beat one of 32
+    (twice the programs in flight, each with a shorter chain); above, 64-row blocks reuse each weight tile for more
+    rows (docs/benchmarks.md, "Kernel launch settings")."""
+    if BLOCK_M_OVERRIDE is not None:
+        return BLOCK_M_OVERRIDE
+    return 16 if rows <= 32 else 64
+
+
+BLOCK_M_OVERRIDE: int | None = None  # replaces `_block_m`'s choice (`tools/layer_kernels.py --sweep`)
 
 
 # The row count `M` changes from step to step and is left unspecialized (`do_not_specialize`): no new variant is
