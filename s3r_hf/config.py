@@ -106,10 +106,11 @@ class S3RConfig:
             (Llama, Qwen2, Qwen3, Mistral, SmolLM) with plain linears and a head dimension that is a power of two
             of at least 32; other models are refused. The kernels read the model's own weights: nothing is copied.
             Prefill chunks run the layers' own forward (compiled with `compile_layers`). On an H200 in bfloat16 it
-            is faster than the compiled layers only at a few rows (a rollout's tail) and slower at 64 and more; in
-            float32, where cuBLAS runs a few rows' GEMMs on SIMT cores and these kernels use tensor cores (three
-            TF32 products per product, float32's accuracy), a dense step at 16 rows is faster, but one at 32 rows
-            was slower in whole rollout calls (`docs/benchmarks.md`).
+            is faster than the compiled layers only up to 32 rows and no faster in whole rollout calls; in float32,
+            where cuBLAS runs a few rows' GEMMs on SIMT cores and these kernels use tensor cores (three TF32
+            products per product, float32's accuracy), whole rollout calls of 32 rows ran 1.14-1.19x faster, in
+            engine AR and S3R alike (`docs/benchmarks.md`). Off by default until a fresh machine's GRPO steps are
+            measured with it.
         draft_matmul_precision (`str`, defaults to `"high"`):
             For float32 models on CUDA, the precision of the draft passes' matmuls, as in
             `torch.set_float32_matmul_precision`: `"high"` runs them on TF32 tensor cores, `"highest"` in full
