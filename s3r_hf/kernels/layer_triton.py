@@ -10,11 +10,12 @@ O and down projections. The weights are read from the model's own linears: nothi
 between calls needs nothing refreshed.
 
 At decode row counts a GEMM has few output tiles (15 Q/K/V heads for SmolLM2), so a program's chain of dependent
-memory round trips sets the time, not its bytes. The chains are kept short: the norm's pass over the row issues all
-of its loads at once (an unrolled loop), and what the epilogues read (rotary cos/sin, biases, the residual) is loaded
-before the K loop, so those round trips overlap it. Where the tiles leave SMs idle the K range is split over several
-programs (`_splits`); each stores its float32 partial sums, and the last of a tile's programs to arrive (an atomic
-count) adds them in split order and runs the epilogue: one launch, and the same result in every launch.
+memory round trips sets the time, not its bytes. The chains are kept short: the norm's pass over a row up to
+`UNROLLED_NORM_MAX` wide issues all of its loads at once (an unrolled loop), and what the epilogues read (rotary
+cos/sin, biases, the residual) is loaded before the K loop, so those round trips overlap it. Where the tiles leave
+SMs idle the K range is split over several programs (`_splits`); each stores its float32 partial sums, and the last
+of a tile's programs to arrive (an atomic count) adds them in split order and runs the epilogue: one launch, and the
+same result in every launch.
 
 Every function has the signature and results of its reference (`layer_reference.py`); tests compare them, on CUDA
 and under `TRITON_INTERPRET=1`.
