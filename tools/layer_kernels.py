@@ -110,6 +110,9 @@ def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch
     fused = _fused_chain(layer_triton, *args)
     row["max_abs_error"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(fused, reference))
     row["torch_ms"] = _ms(lambda: _torch_chain(*args))
+    # Every point is a new shape of the same function: past dynamo's recompile limit the compiled baseline would
+    # silently run eagerly, so each point compiles from a clean cache.
+    torch._dynamo.reset()
     compiled = torch.compile(_torch_chain, dynamic=False)
     compiled(*args)
     row["compiled_ms"] = _ms(lambda: compiled(*args))
