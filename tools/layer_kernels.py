@@ -1,10 +1,11 @@
 """Time one decoder layer's work around the attention at decode shapes (GPU only): the fused layer kernels
 (`S3RConfig.fused_layers`) against the model's own ops, eager and compiled, and against the weight-read floor.
 
-    python tools/layer_kernels.py [--shapes smollm2-135m,qwen3-1.7b] [--rows 16,64,448] [--sweep] [--json PATH]
+    python tools/layer_kernels.py [--shapes smollm2-135m,qwen3-1.7b] [--rows 16,32,64,448] [--sweep] [--json PATH]
 
 For each model shape and row count (64: a draft pass or an AR step at B=64; 448: a verify block of 64 requests x 7
-queries; 16: a rollout's tail) it times, replayed from a CUDA graph as the engine runs them:
+queries; 32: GRPO's 32 rows, and the largest count run in 16-row blocks; 16: a rollout's tail) it times, replayed
+from a CUDA graph as the engine runs them:
   torch      the layer's ops as transformers runs them (bf16 `F.linear`, RMSNorm, rotary, SiLU * up, residuals),
              with Q/K/V and gate/up each one GEMM over concatenated weights, as the compiled layers run them
   compiled   the same under `torch.compile` (what `compile_layers` gives)
@@ -149,7 +150,7 @@ def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--rows", default="16,64,448")
+    parser.add_argument("--rows", default="16,32,64,448")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--json")
