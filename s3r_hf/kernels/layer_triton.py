@@ -31,6 +31,8 @@ import triton.language as tl
 
 from s3r_hf.kernels.triton_backend import _dot_precision, variant_keys
 
+BLOCK_M_OVERRIDE: int | None = None  # replaces `_block_m`'s choice (`tools/layer_kernels.py --sweep`)
+
 
 def _block_m(rows: int) -> int:
     """Rows per program: tensor-core tiles need 16 at least. Up to 32 rows, two programs of 16 rows beat one of 32
@@ -39,9 +41,6 @@ def _block_m(rows: int) -> int:
     if BLOCK_M_OVERRIDE is not None:
         return BLOCK_M_OVERRIDE
     return 16 if rows <= 32 else 64
-
-
-BLOCK_M_OVERRIDE: int | None = None  # replaces `_block_m`'s choice (`tools/layer_kernels.py --sweep`)
 
 
 # The row count `M` changes from step to step and is left unspecialized (`do_not_specialize`): no new variant is
@@ -68,8 +67,9 @@ def _launch(rows: int, dtype: torch.dtype) -> tuple[int, int, int]:
 UNROLLED_NORM_MAX = 1024
 
 
-def _unrolls_norm(hidden: int) -> bool:
-    return hidden <= UNROLLED_NORM_MAX
+def _norm_blocks(hidden: int, block_k: int) -> int:
+    """`NORM_BLOCKS` of the norm kernels: the K tiles of the norm's unrolled pass over a row, or 0 for a loop."""
+    return triton.cdiv(hidden, block_k) if hidden <= UNROLLED_NORM_MAX else 0
 
 
 _sm_counts: dict[torch.device, int] = {}
@@ -158,13 +158,13 @@ def _tile_squares(x_ptr, rows, row_ok, stride_xm, k0, K, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-              K_BLOCKS: tl.constexpr, UNROLL_NORM: tl.constexpr):
-    """1 / RMS of each row of `x` (float32), as `LlamaRMSNorm` computes it. With `UNROLL_NORM` the loop over the
-    row's `K_BLOCKS` tiles is unrolled, so their loads are issued together: one memory round trip before the K loop
-    instead of one per tile (`_unrolls_norm` says for which rows)."""
+              NORM_BLOCKS: tl.constexpr):
+    """1 / RMS of each row of `x` (float32), as `LlamaRMSNorm` computes it. Where `NORM_BLOCKS` is not 0 the pass
+    over the row's `NORM_BLOCKS` tiles is unrolled, so their loads are issued together: one memory round trip before
+    the K loop instead of one per tile (`_norm_blocks` says for which rows)."""
     squares = tl.zeros([BLOCK_M], tl.float32)
-    if UNROLL_NORM:
-        for block in tl.static_range(K_BLOCKS):
+    if NORM_BLOCKS > 0:
+        for block in tl.static_range(NORM_BLOCKS):
             squares += _tile_squares(x_ptr, rows, row_ok, stride_xm, block * BLOCK_K, K, BLOCK_K)
     else:
         for k0 in range(0, K, BLOCK_K):
@@ -244,8 +244,8 @@ def _norm_qkv_rope_kernel(
     x_ptr, norm_ptr, qw_ptr, kw_ptr, vw_ptr, qb_ptr, kb_ptr, vb_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, out_ptr,
     partials_ptr, counts_ptr, M, K, BLOCKS_PER_SPLIT, stride_xm, stride_cm, stride_om, stride_oh, eps, head_eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_BLOCKS: tl.constexpr, UNROLL_NORM: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HEAD_NORM: tl.constexpr, PRECISION: tl.constexpr,
+    NORM_BLOCKS: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_NORM: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     head = tl.program_id(1)  # queries 0..HQ-1, keys HQ..HQ+HKV-1, values after them
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -259,7 +259,7 @@ def _norm_qkv_rope_kernel(
         weight, bias, head_norm = (
             vw_ptr + (head - HQ - HKV) * 2 * HALF * K, vb_ptr + (head - HQ - HKV) * 2 * HALF, kn_ptr
         )
-    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, K_BLOCKS, UNROLL_NORM)
+    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, NORM_BLOCKS)
     inputs = _qkv_epilogue_inputs(rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin_ptr, stride_cm, HQ, HKV,
                                   HALF, HAS_BIAS, HEAD_NORM)
     low = tl.zeros([BLOCK_M, HALF], tl.float32)  # the head's first half of dimensions
@@ -325,7 +325,7 @@ def norm_qkv_rope(
         partials, counts, rows, hidden, blocks_per_split, x.stride(0), cos.stride(0),
         out.stride(0), out.stride(1), eps, head_norm_eps,
         HQ=num_heads, HKV=num_kv_heads, HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_K=block_k,
-        K_BLOCKS=triton.cdiv(hidden, block_k), UNROLL_NORM=_unrolls_norm(hidden), SPLITS=splits,
+        NORM_BLOCKS=_norm_blocks(hidden, block_k), SPLITS=splits,
         HAS_BIAS=has_bias, HEAD_NORM=head_norm, PRECISION=_dot_precision(x.dtype), num_warps=warps,
         num_stages=stages,
     )
@@ -335,13 +335,13 @@ def norm_qkv_rope(
 @triton.jit(do_not_specialize=["M", "BLOCKS_PER_SPLIT"])
 def _norm_gate_up_silu_kernel(
     x_ptr, norm_ptr, gate_ptr, up_ptr, out_ptr, partials_ptr, counts_ptr, M, K, N, BLOCKS_PER_SPLIT, stride_xm,
-    stride_om, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
-    UNROLL_NORM: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    stride_om, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCKS: tl.constexpr,
+    SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, K_BLOCKS, UNROLL_NORM)
+    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, NORM_BLOCKS)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     begin, end = _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K, SPLITS)
@@ -406,9 +406,8 @@ def norm_gate_up_silu(
     _norm_gate_up_silu_kernel[t.grid](
         x, norm_weight, gate_weight.contiguous(), up_weight.contiguous(), out, partials, counts, rows, hidden,
         columns, t.blocks_per_split, x.stride(0), out.stride(0), eps,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, K_BLOCKS=triton.cdiv(hidden, t.block_k),
-        UNROLL_NORM=_unrolls_norm(hidden), SPLITS=t.splits, PRECISION=_dot_precision(x.dtype), num_warps=t.warps,
-        num_stages=t.stages,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, NORM_BLOCKS=_norm_blocks(hidden, t.block_k),
+        SPLITS=t.splits, PRECISION=_dot_precision(x.dtype), num_warps=t.warps, num_stages=t.stages,
     )
     return out
 
