@@ -18,6 +18,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import s3r_hf
 from s3r_hf import S3RConfig, fused_layers
 from s3r_hf.kernels import layer_reference
+from s3r_hf.matmul_precision import float32_matmul_precision
 from s3r_hf.validation import UnsupportedModelError
 from tests.conftest import TINY, left_padded_batch, tiny_model
 from tests.exact_distribution import (
@@ -115,6 +116,29 @@ def test_linear_residual_matches_reference(dtype, bias, launch):
     _close(actual, expected, dtype)
     # Split partial sums are added in split order, not in arrival order: every launch gives the same bits.
     assert torch.equal(layer_triton.linear_residual(x, weight, b if bias else None, residual), actual)
+
+
+def test_float32_products_follow_torchs_tf32_switch(launch):
+    """float32 products run as three TF32 products (float32's accuracy, the tests above) unless torch allows TF32 for
+    float32 matmuls, as the draft passes do (`S3RConfig.draft_matmul_precision`): then as one, like cuBLAS. Half
+    precision is unaffected. On CUDA the TF32 kernel agrees with the reference under the same switch, within TF32's
+    rounding, and differs from the float32-accurate kernel."""
+    assert not torch.backends.cuda.matmul.allow_tf32  # torch's default, which every other test here runs under
+    generator = torch.Generator().manual_seed(3)
+    x, weight, residual = (
+        (torch.randn(*shape, generator=generator) * scale).to(DEVICE)
+        for shape, scale in (((17, 80), 1.0), ((96, 80), 0.1), ((17, 96), 1.0))
+    )
+    accurate = layer_triton.linear_residual(x, weight, None, residual)
+    assert layer_triton._dot_precision(torch.float32) == "tf32x3"
+    with float32_matmul_precision("high"):
+        assert layer_triton._dot_precision(torch.float32) == "tf32"
+        assert layer_triton._dot_precision(torch.float16) == layer_triton._dot_precision(torch.bfloat16) == "tf32"
+        expected = layer_reference.linear_residual(x, weight, None, residual)
+        actual = layer_triton.linear_residual(x, weight, None, residual)
+    torch.testing.assert_close(actual, expected, atol=1e-2, rtol=1e-2)
+    if DEVICE.type == "cuda":  # the interpreter computes every precision in float32
+        assert not torch.equal(actual, accurate)
 
 
 @pytest.mark.parametrize(

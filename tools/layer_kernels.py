@@ -1,7 +1,8 @@
 """Time one decoder layer's work around the attention at decode shapes (GPU only): the fused layer kernels
 (`S3RConfig.fused_layers`) against the model's own ops, eager and compiled, and against the weight-read floor.
 
-    python tools/layer_kernels.py [--shapes smollm2-135m,qwen3-1.7b] [--rows 16,32,64,448] [--sweep] [--json PATH]
+    python tools/layer_kernels.py [--shapes smollm2-135m,qwen3-1.7b] [--rows 16,32,64,448] [--sweep] [--tf32]
+                                  [--dtype bfloat16|float32] [--json PATH]
 
 For each model shape and row count (64: a draft pass or an AR step at B=64; 448: a verify block of 64 requests x 7
 queries; 32: GRPO's 32 rows, and the largest count run in 16-row blocks; 16: a rollout's tail) it times, replayed
@@ -153,13 +154,17 @@ def main() -> None:
     parser.add_argument("--rows", default="16,32,64,448")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--tf32", action="store_true",
+                        help="float32 matmuls and the fused kernels' products in TF32, as in float32 draft passes "
+                             "(S3RConfig.draft_matmul_precision='high')")
     parser.add_argument("--json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tools/layer_kernels.py times CUDA kernels: it needs a GPU")
     bandwidth = copy_bandwidth()
     dtype = getattr(torch, args.dtype)
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.dtype}")
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32  # read by cuBLAS, inductor and the fused kernels alike
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.dtype}{' (TF32 products)' if args.tf32 else ''}")
     print(f"{'shape':14} {'rows':>5} {'floor':>7} {'torch':>7} {'compiled':>8} {'fused':>7}  per kernel (ms)")
     rows = []
     for name in args.shapes.split(","):

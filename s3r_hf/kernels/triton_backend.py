@@ -23,10 +23,15 @@ import triton.language as tl
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs: three TF32 tensor-core products per product ("tf32x3"), within float32 rounding of the reference
-    # (max differences 1e-7 to 1e-6 on the outputs, as IEEE products). IEEE products run on the CUDA cores, 1.7-2.6x
-    # slower at the GRPO shapes (docs/benchmarks.md, "Kernel launch settings"). bf16/fp16 use tensor cores anyway.
-    return "tf32x3" if dtype == torch.float32 else "tf32"
+    """`input_precision` of the kernels' dot products. bf16/fp16 run on tensor cores anyway. float32 follows torch's
+    switch for float32 matmuls, as cuBLAS does: one TF32 product per product where TF32 is allowed (the draft passes
+    under `S3RConfig.draft_matmul_precision="high"`, which sets the switch around them, or a user's global setting),
+    otherwise three ("tf32x3"), within float32 rounding of the reference (max differences 1e-7 to 1e-6 on the
+    outputs, as IEEE products, which run on the CUDA cores 1.7-2.6x slower at the GRPO shapes: docs/benchmarks.md,
+    "Kernel launch settings"). Read at launch: a captured graph keeps the kernels chosen at its capture."""
+    if dtype != torch.float32:
+        return "tf32"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
 
 
 # Triton compiles a kernel once per specialization of its integer arguments (equal to 1, divisible by 16), so an
