@@ -4,9 +4,9 @@ At decode batch sizes a small model's forward costs its kernel launches, not its
 layer launches about eleven kernels besides the attention (docs/benchmarks.md, "Where the time goes"). With
 `fused_layers` a Llama-family layer (Llama, Qwen2, Qwen3, Mistral, SmolLM) runs as
 
-    norm_qkv_rope -> K/V write -> attention -> linear_residual (O) -> norm_gate_up_silu -> linear_residual (down)
+    norm_qkv_rope (+ K/V write) -> attention -> linear_residual (O) -> norm_gate_up_silu -> linear_residual (down)
 
-five launches and the attention's own (`s3r_hf.kernels.layer_triton`; `layer_reference` on CPU). Forwards of more
+four launches and the attention's own (`s3r_hf.kernels.layer_triton`; `layer_reference` on CPU). Forwards of more
 than `FUSED_MAX_TOKENS` packed tokens (prefill chunks) run the layer's own forward, compiled where
 `compile_layers` says so: at those sizes a tuned GEMM library beats these kernels and launches do not matter.
 
@@ -118,11 +118,12 @@ def fused_forward(parts: LayerParts, ops: ModuleType, hidden_states: torch.Tenso
     attention, q_norm, k_norm = parts.attention, parts.q_norm, parts.k_norm
     x = hidden_states[0]
     cos, sin = kwargs["position_embeddings"]
+    # The kernel writes the step's K/V into the cache's pools itself, in place of `S3RCache.update`'s launch.
     qkv = ops.norm_qkv_rope(
         x, parts.input_norm.weight, parts.input_norm.variance_epsilon, parts.q.weight, parts.k.weight,
         parts.v.weight, parts.q.bias, parts.k.bias, parts.v.bias, cos[0], sin[0], parts.head_dim,
         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-        1e-6 if q_norm is None else q_norm.variance_epsilon,
+        1e-6 if q_norm is None else q_norm.variance_epsilon, *kwargs["s3r_cache"].step_kv_target(attention.layer_idx),
     )
     num_heads = parts.q.out_features // parts.head_dim
     num_kv_heads = parts.k.out_features // parts.head_dim
@@ -131,7 +132,6 @@ def fused_forward(parts: LayerParts, ops: ModuleType, hidden_states: torch.Tenso
         part[None].transpose(1, 2)
         for part in qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     )
-    kwargs["s3r_cache"].update(key, value, attention.layer_idx)
     attended, _ = s3r_attention_forward(
         attention, query, key, value, None, dropout=0.0, scaling=attention.scaling,
         **{k: v for k, v in kwargs.items() if k in ("s3r_step", "s3r_cache")},

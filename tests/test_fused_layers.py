@@ -90,6 +90,32 @@ def test_norm_qkv_rope_matches_reference(dtype, rows, variant, launch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [7, 24])
+@pytest.mark.parametrize("variant", ["llama", "qwen3-head-norm"])
+def test_norm_qkv_rope_writes_the_pools_as_the_cache_does(dtype, rows, variant, launch):
+    """With pools the kernel also writes each row's keys and values at its flat pool row (the cache's K/V write,
+    fused): the same values as the reference writes, in the same places, and nothing anywhere else."""
+    inputs = _qkv_inputs(rows, 96, 32, heads=3, kv_heads=2, dtype=dtype, bias=False,
+                         head_norm=variant == "qwen3-head-norm")
+    pool_rows = torch.randperm(4 * 8, generator=torch.Generator().manual_seed(4))[:rows].to(DEVICE)
+    pools = {}
+    for name, ops in (("reference", layer_reference), ("triton", layer_triton)):
+        key_pool, value_pool = (torch.full((4, 8, 2, 32), -7.0, dtype=dtype, device=DEVICE) for _ in range(2))
+        out = ops.norm_qkv_rope(**inputs, key_pool=key_pool, value_pool=value_pool, pool_rows=pool_rows)
+        _close(out, layer_reference.norm_qkv_rope(**inputs), dtype)
+        pools[name] = key_pool.view(-1, 2, 32), value_pool.view(-1, 2, 32), out
+    for index in range(2):
+        actual, expected = pools["triton"][index], pools["reference"][index]
+        _close(actual, expected, dtype)
+        untouched = torch.ones(actual.shape[0], dtype=torch.bool, device=DEVICE)
+        untouched[pool_rows] = False
+        assert (actual[untouched] == -7.0).all()
+        # The pools hold what the kernel returned, bit for bit: keys after the queries, values last.
+        torch.testing.assert_close(actual[pool_rows], pools["triton"][2][:, 3 + 2 * index : 5 + 2 * index],
+                                   atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 24, 33])
 def test_norm_gate_up_silu_matches_reference(dtype, rows, launch):
     generator = torch.Generator().manual_seed(1)

@@ -310,6 +310,14 @@ class S3RCache(Cache):
             return key_states, value_states
         return self._plain_update(key_states, value_states, layer_idx)
 
+    def step_kv_target(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(key pool, value pool, flat pool rows)` where `update` writes layer `layer_idx`'s K/V during an engine
+        step: for a caller that writes them itself (the fused layers' Q/K/V kernel) instead of calling `update`."""
+        if self.step is None:
+            raise RuntimeError("S3RCache.step_kv_target is for engine steps (no step is set)")
+        layer = self.layers[layer_idx]
+        return layer.keys, layer.values, self.step.write_index
+
     def _plain_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         batch, _, new, _ = key_states.shape
         if layer_idx == 0:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from s3r_hf.kernels.reference import write_kv
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`LlamaRMSNorm`: normalized in float32, rounded to the input dtype, times the weight (in the input dtype)."""
@@ -57,11 +59,16 @@ def norm_qkv_rope(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     head_norm_eps: float = 1e-6,
+    key_pool: torch.Tensor | None = None,
+    value_pool: torch.Tensor | None = None,
+    pool_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Q, K and V heads of rows `x` `[M, hidden]`: `[M, Hq + 2 Hkv, head_dim]`, queries first, then keys, then values.
 
     `cos`/`sin` are `[M, head_dim]` (the model's rotary embedding at each row's position); queries and keys are
-    rotated after the per-head norm (`q_norm_weight`/`k_norm_weight`, Qwen3) where the model has one.
+    rotated after the per-head norm (`q_norm_weight`/`k_norm_weight`, Qwen3) where the model has one. With
+    `key_pool`/`value_pool` (`[pages, page_size, Hkv, head_dim]`) the keys and values are also written to them at
+    flat rows `pool_rows` `[M]`, as `kernels.write_kv` writes them (the cache's K/V write, fused).
     """
     normed = rms_norm(x, norm_weight, eps)
     rows = x.shape[0]
@@ -75,7 +82,11 @@ def norm_qkv_rope(
     q = _rotate(_head_norm(project(q_weight, q_bias), q_norm_weight, head_norm_eps), cos, sin)
     k = _rotate(_head_norm(project(k_weight, k_bias), k_norm_weight, head_norm_eps), cos, sin)
     v = project(v_weight, v_bias)
-    return torch.cat([q, k, v], dim=1).to(x.dtype)
+    out = torch.cat([q, k, v], dim=1).to(x.dtype)
+    if key_pool is not None:
+        heads = k.shape[1]
+        write_kv(key_pool, value_pool, pool_rows, out[:, -2 * heads : -heads], out[:, -heads:])
+    return out
 
 
 def norm_gate_up_silu(

@@ -195,10 +195,12 @@ def _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _qkv_epilogue_inputs(rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin_ptr, stride_cm, HQ: tl.constexpr,
-                         HKV: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_NORM: tl.constexpr):
+def _qkv_epilogue_inputs(rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin_ptr, pool_rows_ptr, stride_cm,
+                         HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         HEAD_NORM: tl.constexpr, WRITE_KV: tl.constexpr):
     """What `_qkv_epilogue` reads besides the products: loaded before the K loop, so these loads overlap it instead
-    of adding a round trip after it. Value heads rotate nothing: their cos/sin loads are masked off."""
+    of adding a round trip after it. Value heads rotate nothing: their cos/sin loads are masked off; query heads
+    write no pool row."""
     if HAS_BIAS:
         bias_low, bias_high = tl.load(bias + dims), tl.load(bias + HALF + dims)
     else:
@@ -214,14 +216,19 @@ def _qkv_epilogue_inputs(rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin
     cos_high = tl.load(cos_ptr + angles + HALF, mask=mask, other=0.0)
     sin_low = tl.load(sin_ptr + angles, mask=mask, other=0.0)
     sin_high = tl.load(sin_ptr + angles + HALF, mask=mask, other=0.0)
-    return bias_low, bias_high, norm_low, norm_high, cos_low, cos_high, sin_low, sin_high
+    if WRITE_KV:
+        writes = row_ok & (tl.zeros_like(rows) + head >= HQ)
+        pool_rows = tl.load(pool_rows_ptr + rows, mask=writes, other=0).to(tl.int64)
+    else:
+        pool_rows = tl.zeros_like(rows).to(tl.int64)
+    return bias_low, bias_high, norm_low, norm_high, cos_low, cos_high, sin_low, sin_high, pool_rows
 
 
 @triton.jit
-def _qkv_epilogue(low, high, inputs, rows, row_ok, dims, head, out_ptr, stride_om, stride_oh, head_eps,
-                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HEAD_NORM: tl.constexpr):
-    bias_low, bias_high, norm_low, norm_high, cos_low, cos_high, sin_low, sin_high = inputs
+def _qkv_epilogue(low, high, inputs, rows, row_ok, dims, head, out_ptr, key_pool_ptr, value_pool_ptr, stride_om,
+                  stride_oh, stride_pool_row, stride_pool_h, head_eps, HQ: tl.constexpr, HKV: tl.constexpr,
+                  HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_NORM: tl.constexpr, WRITE_KV: tl.constexpr):
+    bias_low, bias_high, norm_low, norm_high, cos_low, cos_high, sin_low, sin_high, pool_rows = inputs
     if HAS_BIAS:
         low += bias_low.to(tl.float32)[None, :]
         high += bias_high.to(tl.float32)[None, :]
@@ -237,15 +244,32 @@ def _qkv_epilogue(low, high, inputs, rows, row_ok, dims, head, out_ptr, stride_o
     dtype = out_ptr.dtype.element_ty
     tl.store(out, low.to(dtype), mask=row_ok[:, None])
     tl.store(out + HALF, high.to(dtype), mask=row_ok[:, None])
+    if WRITE_KV:  # keys and values also to the cache's pools, rounded to the model dtype first as the cache gets them
+        if head >= HQ + HKV:
+            _store_pool_head(value_pool_ptr, pool_rows, head - HQ - HKV, dims, low.to(dtype), high.to(dtype), row_ok,
+                             stride_pool_row, stride_pool_h, HALF)
+        elif head >= HQ:
+            _store_pool_head(key_pool_ptr, pool_rows, head - HQ, dims, low.to(dtype), high.to(dtype), row_ok,
+                             stride_pool_row, stride_pool_h, HALF)
+
+
+@triton.jit
+def _store_pool_head(pool_ptr, pool_rows, kv_head, dims, low, high, row_ok, stride_pool_row, stride_pool_h,
+                     HALF: tl.constexpr):
+    """Head `kv_head`'s two halves of each row to the pool's flat rows `pool_rows`, in the pool's dtype."""
+    target = pool_ptr + pool_rows[:, None] * stride_pool_row + kv_head * stride_pool_h + dims[None, :]
+    tl.store(target, low.to(pool_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(target + HALF, high.to(pool_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["M", "BLOCKS_PER_SPLIT"])
 def _norm_qkv_rope_kernel(
     x_ptr, norm_ptr, qw_ptr, kw_ptr, vw_ptr, qb_ptr, kb_ptr, vb_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, out_ptr,
-    partials_ptr, counts_ptr, M, K, BLOCKS_PER_SPLIT, stride_xm, stride_cm, stride_om, stride_oh, eps, head_eps,
+    key_pool_ptr, value_pool_ptr, pool_rows_ptr, partials_ptr, counts_ptr, M, K, BLOCKS_PER_SPLIT, stride_xm,
+    stride_cm, stride_om, stride_oh, stride_pool_row, stride_pool_h, eps, head_eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCKS: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_NORM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    WRITE_KV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     head = tl.program_id(1)  # queries 0..HQ-1, keys HQ..HQ+HKV-1, values after them
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -260,8 +284,8 @@ def _norm_qkv_rope_kernel(
             vw_ptr + (head - HQ - HKV) * 2 * HALF * K, vb_ptr + (head - HQ - HKV) * 2 * HALF, kn_ptr
         )
     rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, NORM_BLOCKS)
-    inputs = _qkv_epilogue_inputs(rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin_ptr, stride_cm, HQ, HKV,
-                                  HALF, HAS_BIAS, HEAD_NORM)
+    inputs = _qkv_epilogue_inputs(rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin_ptr, pool_rows_ptr,
+                                  stride_cm, HQ, HKV, HALF, HAS_BIAS, HEAD_NORM, WRITE_KV)
     low = tl.zeros([BLOCK_M, HALF], tl.float32)  # the head's first half of dimensions
     high = tl.zeros([BLOCK_M, HALF], tl.float32)  # its second half: `rotate_half` pairs dimension i with i + HALF
     begin, end = _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K, SPLITS)
@@ -271,8 +295,8 @@ def _norm_qkv_rope_kernel(
         w_high = tl.load(weight + (dims + HALF)[:, None] * K + ks[None, :], mask=k_ok[None, :], other=0.0)
         low += tl.dot(normed, tl.trans(w_low), input_precision=PRECISION)
         high += tl.dot(normed, tl.trans(w_high), input_precision=PRECISION)
-    epilogue_args = (inputs, rows, row_ok, dims, head, out_ptr, stride_om, stride_oh, head_eps, HQ, HKV, HALF,
-                     HAS_BIAS, HEAD_NORM)
+    epilogue_args = (inputs, rows, row_ok, dims, head, out_ptr, key_pool_ptr, value_pool_ptr, stride_om, stride_oh,
+                     stride_pool_row, stride_pool_h, head_eps, HQ, HKV, HALF, HAS_BIAS, HEAD_NORM, WRITE_KV)
     if SPLITS == 1:
         _qkv_epilogue(low, high, *epilogue_args)
     else:
@@ -302,8 +326,12 @@ def norm_qkv_rope(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     head_norm_eps: float = 1e-6,
+    key_pool: torch.Tensor | None = None,
+    value_pool: torch.Tensor | None = None,
+    pool_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton version of `layer_reference.norm_qkv_rope` (same arguments and result)."""
+    """Triton version of `layer_reference.norm_qkv_rope` (same arguments and result): the K/V write, where asked
+    for, is in the epilogue of the heads it writes, so the cache's own write launch is saved."""
     rows, hidden = x.shape
     num_heads, num_kv_heads = q_weight.shape[0] // head_dim, k_weight.shape[0] // head_dim
     out = torch.empty(rows, num_heads + 2 * num_kv_heads, head_dim, dtype=x.dtype, device=x.device)
@@ -313,6 +341,9 @@ def norm_qkv_rope(
     has_bias = q_bias is not None
     head_norm = q_norm_weight is not None
     placeholder = norm_weight  # any pointer of the weights' dtype where an optional tensor is absent
+    write_kv = key_pool is not None
+    if write_kv and not (key_pool.is_contiguous() and value_pool.is_contiguous()):
+        raise ValueError("norm_qkv_rope writes K/V to contiguous pools only (a flat row is page * page_size + offset)")
     block_m = _block_m(rows)
     block_k, stages, warps = _launch(rows, x.dtype)
     grid = (triton.cdiv(rows, block_m), num_heads + 2 * num_kv_heads)
@@ -322,12 +353,13 @@ def norm_qkv_rope(
         x, norm_weight, q_weight.contiguous(), k_weight.contiguous(), v_weight.contiguous(),
         q_bias if has_bias else placeholder, k_bias if has_bias else placeholder, v_bias if has_bias else placeholder,
         cos, sin, q_norm_weight if head_norm else placeholder, k_norm_weight if head_norm else placeholder, out,
+        key_pool if write_kv else out, value_pool if write_kv else out, pool_rows if write_kv else counts,
         partials, counts, rows, hidden, blocks_per_split, x.stride(0), cos.stride(0),
-        out.stride(0), out.stride(1), eps, head_norm_eps,
+        out.stride(0), out.stride(1), key_pool.stride(1) if write_kv else 0, key_pool.stride(2) if write_kv else 0,
+        eps, head_norm_eps,
         HQ=num_heads, HKV=num_kv_heads, HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_K=block_k,
-        NORM_BLOCKS=_norm_blocks(hidden, block_k), SPLITS=splits,
-        HAS_BIAS=has_bias, HEAD_NORM=head_norm, PRECISION=_dot_precision(x.dtype), num_warps=warps,
-        num_stages=stages,
+        NORM_BLOCKS=_norm_blocks(hidden, block_k), SPLITS=splits, HAS_BIAS=has_bias, HEAD_NORM=head_norm,
+        WRITE_KV=write_kv, PRECISION=_dot_precision(x.dtype), num_warps=warps, num_stages=stages,
     )
     return out
 
