@@ -101,7 +101,7 @@ class S3RConfig:
             compilation; with `cuda_graphs` the fused kernels are what the graphs replay.
         fused_layers (`bool`, defaults to `False`):
             Run each decoder layer of decode-shaped engine forwards (draft passes, dense steps, verify blocks) as
-            five Triton kernels around the attention: norm + Q/K/V GEMM + rotary, the K/V write, O GEMM + residual,
+            four Triton kernels around the attention: norm + Q/K/V GEMM + rotary + the K/V write, O GEMM + residual,
             norm + gate/up GEMM + SiLU·mul, down GEMM + residual (`s3r_hf.fused_layers`). Llama-family layers
             (Llama, Qwen2, Qwen3, Mistral, SmolLM) with plain linears and a head dimension that is a power of two
             of at least 32; other models are refused. The kernels read the model's own weights: nothing is copied.
