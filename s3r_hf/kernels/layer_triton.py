@@ -242,14 +242,15 @@ def _qkv_epilogue(low, high, inputs, rows, row_ok, dims, head, out_ptr, key_pool
         low, high = low * c_low - high * s_low, high * c_high + low * s_high
     out = out_ptr + rows[:, None] * stride_om + head * stride_oh + dims[None, :]
     dtype = out_ptr.dtype.element_ty
-    tl.store(out, low.to(dtype), mask=row_ok[:, None])
-    tl.store(out + HALF, high.to(dtype), mask=row_ok[:, None])
-    if WRITE_KV:  # keys and values also to the cache's pools, rounded to the model dtype first as the cache gets them
+    rounded_low, rounded_high = low.to(dtype), high.to(dtype)
+    tl.store(out, rounded_low, mask=row_ok[:, None])
+    tl.store(out + HALF, rounded_high, mask=row_ok[:, None])
+    if WRITE_KV:  # keys and values also to the cache's pools, in the model dtype, as the cache gets them
         if head >= HQ + HKV:
-            _store_pool_head(value_pool_ptr, pool_rows, head - HQ - HKV, dims, low.to(dtype), high.to(dtype), row_ok,
+            _store_pool_head(value_pool_ptr, pool_rows, head - HQ - HKV, dims, rounded_low, rounded_high, row_ok,
                              stride_pool_row, stride_pool_h, HALF)
         elif head >= HQ:
-            _store_pool_head(key_pool_ptr, pool_rows, head - HQ, dims, low.to(dtype), high.to(dtype), row_ok,
+            _store_pool_head(key_pool_ptr, pool_rows, head - HQ, dims, rounded_low, rounded_high, row_ok,
                              stride_pool_row, stride_pool_h, HALF)
 
 
