@@ -98,11 +98,12 @@ def test_norm_qkv_rope_writes_the_pools_as_the_cache_does(dtype, rows, variant, 
     inputs = _qkv_inputs(rows, 96, 32, heads=3, kv_heads=2, dtype=dtype, bias=False,
                          head_norm=variant == "qwen3-head-norm")
     pool_rows = torch.randperm(4 * 8, generator=torch.Generator().manual_seed(4))[:rows].to(DEVICE)
+    heads = layer_reference.norm_qkv_rope(**inputs)
     pools = {}
     for name, ops in (("reference", layer_reference), ("triton", layer_triton)):
         key_pool, value_pool = (torch.full((4, 8, 2, 32), -7.0, dtype=dtype, device=DEVICE) for _ in range(2))
         out = ops.norm_qkv_rope(**inputs, key_pool=key_pool, value_pool=value_pool, pool_rows=pool_rows)
-        _close(out, layer_reference.norm_qkv_rope(**inputs), dtype)
+        _close(out, heads, dtype)
         pools[name] = key_pool.view(-1, 2, 32), value_pool.view(-1, 2, 32), out
     for index in range(2):
         actual, expected = pools["triton"][index], pools["reference"][index]
