@@ -1,16 +1,16 @@
 """Time the layer chain of decode forwards (GPU only): `--layers` decoder layers of fused kernels and the attention
 between them, as a draft pass runs them (sparse attention over an index view) and as a dense step does (paged
-attention over the whole context), replayed from one CUDA graph.
+attention over the whole context), replayed from one CUDA graph: what a forward costs before its embedding, LM head
+and sampling.
 
     python tools/decode_chain.py [--shape smollm2-135m] [--rows 16,32] [--seq 3072] [--layers 30]
                                  [--dtype float32] [--tf32] [--budget 192] [--sparse-splits 1,4] [--json PATH]
 
 Each layer is `norm_qkv_rope` (with its K/V write) -> attention -> `linear_residual` (O) -> `norm_gate_up_silu` ->
 `linear_residual` (down), with its own random weights and KV pool (`--seq` tokens of context per row, pages in a
-random order), so no layer reads another's bytes from L2. Every chain is timed with programmatic dependent launch
-off and on (`s3r_hf.kernels.dependent_launch`) and the two outputs are compared: the kernels are the same, so they
-must be equal bit for bit, and so must the outputs of repeated replays. The weight-read floor is the layers' weight
-bytes at the measured copy bandwidth; a dense step's also counts its K/V.
+random order), so no layer reads another's bytes from L2. `--sparse-splits` times the sparse attention over several
+key-split counts (the kernel's own choice is `None`). Two runs of a chain must give the same output bit for bit. The
+weight-read floor is the layers' weight bytes at the measured copy bandwidth; a dense step's also counts its K/V.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from layer_kernels import SHAPES, _weights  # tools/ is the script's directory
 
 from s3r_hf.bench_kernels import copy_bandwidth, graph_ms
-from s3r_hf.kernels import dependent_launch, layer_triton, triton_backend
+from s3r_hf.kernels import layer_triton, triton_backend
 
 PAGE_SIZE = 16
 DRAFT_LEN = 6  # the tail a draft pass sees: positions drafted earlier in the round
@@ -64,7 +64,7 @@ class Chain:
         self.cos, self.sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
         self.x = torch.randn(rows, shape["hidden"], generator=generator, device="cuda").to(dtype)
 
-    def forward(self, attention: str, sparse_splits: int) -> torch.Tensor:
+    def forward(self, attention: str, sparse_splits: int | None) -> torch.Tensor:
         shape, x = self.shape, self.x
         heads, dim = shape["heads"], shape["head_dim"]
         scale = dim**-0.5
@@ -98,22 +98,10 @@ class Chain:
         return len(self.pools) * self.rows * self.max_context * per_token
 
 
-def time_chain(chain: Chain, attention: str, splits: int, pdl_modes: tuple[bool, ...]) -> dict:
-    row = {}
-    outputs = {}
-    for pdl in pdl_modes:
-        dependent_launch.ENABLED = pdl
-        try:
-            first = chain.forward(attention, splits).clone()
-            row[f"pdl_{'on' if pdl else 'off'}_ms"] = graph_ms(lambda: chain.forward(attention, splits), repeats=50)
-            again = chain.forward(attention, splits)
-            row[f"pdl_{'on' if pdl else 'off'}_repeatable"] = bool(torch.equal(first, again))
-            outputs[pdl] = first
-        finally:
-            dependent_launch.ENABLED = True
-    if len(outputs) == 2:
-        row["pdl_equal"] = bool(torch.equal(outputs[False], outputs[True]))
-    return row
+def time_chain(chain: Chain, attention: str, splits: int | None) -> dict:
+    first = chain.forward(attention, splits).clone()
+    ms = graph_ms(lambda: chain.forward(attention, splits), repeats=50)
+    return {"ms": ms, "repeatable": bool(torch.equal(first, chain.forward(attention, splits)))}
 
 
 def main() -> None:
@@ -123,33 +111,33 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=3072)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--budget", type=int, default=192, help="index-view keys of the sparse attention")
-    parser.add_argument("--sparse-splits", default="1", help="key splits of the sparse attention to time")
+    parser.add_argument("--sparse-splits", default="None",
+                        help="key splits of the sparse attention to time (None: the kernel's choice)")
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--tf32", action="store_true", help="TF32 products, as in float32 draft passes")
     parser.add_argument("--json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tools/decode_chain.py times CUDA kernels: it needs a GPU")
-    capable = dependent_launch.launch_options(torch.device("cuda")).get("PDL", False)
-    pdl_modes = (False, True) if capable else (False,)
     bandwidth = copy_bandwidth()
     dtype = getattr(torch, args.dtype)
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.shape} x {args.layers} layers, {args.dtype}"
-          f"{' (TF32 products)' if args.tf32 else ''}, context {args.seq}; PDL {'available' if capable else 'n/a'}")
+          f"{' (TF32 products)' if args.tf32 else ''}, context {args.seq}")
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         chain = Chain(SHAPES[args.shape], args.layers, rows, args.seq, args.budget, dtype)
-        runs = [("dense", None)] + [("sparse", int(s)) for s in args.sparse_splits.split(",")]
+        runs = [("dense", None)] + [("sparse", None if s == "None" else int(s)) for s in args.sparse_splits.split(",")]
         for attention, splits in runs:
             row = {"rows": rows, "attention": attention, "splits": splits,
                    "weights_floor_ms": chain.weight_bytes() / bandwidth * 1e3}
             if attention == "dense":
                 row["floor_ms"] = (chain.weight_bytes() + chain.kv_bytes()) / bandwidth * 1e3
-            row.update(time_chain(chain, attention, splits, pdl_modes))
+            row.update(time_chain(chain, attention, splits))
             results.append(row)
-            per_layer = {k: round(v / args.layers * 1e3, 1) for k, v in row.items() if k.endswith("_ms")}
-            print(f"rows {rows:3d} {attention:6} splits {splits}: {row}  (us per layer: {per_layer})", flush=True)
+            print(f"rows {rows:3d} {attention:6} splits {str(splits):4}: {row['ms']:.3f} ms, "
+                  f"{row['ms'] / args.layers * 1e3:.1f} us per layer (weights' floor "
+                  f"{row['weights_floor_ms'] / args.layers * 1e3:.1f}), repeatable {row['repeatable']}", flush=True)
         del chain
         torch.cuda.empty_cache()
     if args.json:

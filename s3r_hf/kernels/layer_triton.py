@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from s3r_hf.kernels.dependent_launch import inputs_ready, launch_options
 from s3r_hf.kernels.triton_backend import _dot_precision, variant_keys
 
 BLOCK_M_OVERRIDE: int | None = None  # replaces `_block_m`'s choice (`tools/layer_kernels.py --sweep`)
@@ -271,7 +270,7 @@ def _norm_qkv_rope_kernel(
     stride_cm, stride_om, stride_oh, stride_pool_row, stride_pool_h, eps, head_eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCKS: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_NORM: tl.constexpr,
-    WRITE_KV: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    WRITE_KV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     head = tl.program_id(1)  # queries 0..HQ-1, keys HQ..HQ+HKV-1, values after them
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -285,7 +284,6 @@ def _norm_qkv_rope_kernel(
         weight, bias, head_norm = (
             vw_ptr + (head - HQ - HKV) * 2 * HALF * K, vb_ptr + (head - HQ - HKV) * 2 * HALF, kn_ptr
         )
-    inputs_ready(PDL)
     rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, NORM_BLOCKS)
     inputs = _qkv_epilogue_inputs(rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin_ptr, pool_rows_ptr,
                                   stride_cm, HQ, HKV, HALF, HAS_BIAS, HEAD_NORM, WRITE_KV)
@@ -363,7 +361,6 @@ def norm_qkv_rope(
         HQ=num_heads, HKV=num_kv_heads, HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_K=block_k,
         NORM_BLOCKS=_norm_blocks(hidden, block_k), SPLITS=splits, HAS_BIAS=has_bias, HEAD_NORM=head_norm,
         WRITE_KV=write_kv, PRECISION=_dot_precision(x.dtype), num_warps=warps, num_stages=stages,
-        **launch_options(x.device),
     )
     return out
 
@@ -372,12 +369,11 @@ def norm_qkv_rope(
 def _norm_gate_up_silu_kernel(
     x_ptr, norm_ptr, gate_ptr, up_ptr, out_ptr, partials_ptr, counts_ptr, M, K, N, BLOCKS_PER_SPLIT, stride_xm,
     stride_om, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCKS: tl.constexpr,
-    SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    inputs_ready(PDL)
     rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, NORM_BLOCKS)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -445,7 +441,6 @@ def norm_gate_up_silu(
         columns, t.blocks_per_split, x.stride(0), out.stride(0), eps,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, NORM_BLOCKS=_norm_blocks(hidden, t.block_k),
         SPLITS=t.splits, PRECISION=_dot_precision(x.dtype), num_warps=t.warps, num_stages=t.stages,
-        **launch_options(x.device),
     )
     return out
 
@@ -463,20 +458,18 @@ def _residual_epilogue(acc, residual, bias, out_ptr, rows, cols, row_ok, col_ok,
 def _linear_residual_kernel(
     x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, partials_ptr, counts_ptr, M, K, N, BLOCKS_PER_SPLIT, stride_xm, stride_rm,
     stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    # The epilogue's bias (a parameter: before the wait) and residual, loaded before the K loop so that their round
-    # trips overlap it.
+    # The epilogue's residual and bias, loaded before the K loop so that their round trip overlaps it.
+    residual = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                       other=0.0)
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
     else:
         bias = tl.zeros([BLOCK_N], tl.float32)
-    inputs_ready(PDL)
-    residual = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                       other=0.0)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     begin, end = _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K, SPLITS)
@@ -514,7 +507,7 @@ def linear_residual(
         x, weight.contiguous(), bias if bias is not None else weight, residual, out, partials, counts, rows, inner,
         columns, t.blocks_per_split, x.stride(0), residual.stride(0), out.stride(0),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLITS=t.splits, HAS_BIAS=bias is not None,
-        PRECISION=_dot_precision(x.dtype), num_warps=t.warps, num_stages=t.stages, **launch_options(x.device),
+        PRECISION=_dot_precision(x.dtype), num_warps=t.warps, num_stages=t.stages,
     )
     return out
 

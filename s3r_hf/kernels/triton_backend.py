@@ -21,8 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from s3r_hf.kernels.dependent_launch import inputs_ready, launch_options
-
 
 def _dot_precision(dtype: torch.dtype) -> str:
     """`input_precision` of the kernels' dot products. bf16/fp16 run on tensor cores anyway. float32 follows torch's
@@ -59,7 +57,7 @@ def _sparse_decode_kernel(
     stride_ls, stride_ln,
     scale, keys_per_split,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     query = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,15 +67,13 @@ def _sparse_decode_kernel(
     row_ok = rows < GROUP
     dim_ok = dims < HEAD_DIM
     heads = kv_head * GROUP + rows
-    # The step's metadata, before the wait (`dependent_launch`); the query and the tail's K/V are this step's.
-    view_len = tl.load(view_len_ptr + query)
-    tail = tl.load(tail_ptr + query)
-    position = tl.load(pos_ptr + query)
-    inputs_ready(PDL)
     q = tl.load(
         q_ptr + query * stride_qn + heads[:, None] * stride_qh + dims[None, :],
         mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
     )
+    view_len = tl.load(view_len_ptr + query)
+    tail = tl.load(tail_ptr + query)
+    position = tl.load(pos_ptr + query)
     total = view_len + (position - tail + 1)
     lo = split * keys_per_split
     hi = tl.minimum(total, lo + keys_per_split)
@@ -161,7 +157,7 @@ def paged_sparse_attention(
         scale, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
-        **launch_settings(head_dim, element_size=query.element_size()), **launch_options(query.device),
+        **launch_settings(head_dim, element_size=query.element_size()),
     )
     return merge_splits(out, lse, query.dtype)
 
@@ -265,7 +261,7 @@ def _dense_varlen_kernel(
     scale, num_q_blocks, keys_per_split,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    STORE_LOGITS: tl.constexpr, ONE_Q_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, ONE_Q_BLOCK: tl.constexpr,
 ):
     segment = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -281,8 +277,6 @@ def _dense_varlen_kernel(
     seg_start = tl.load(cu_ptr + segment)
     seg_end = tl.load(cu_ptr + segment + 1)
     first = seg_start + q_block * BLOCK_M
-    # Every program waits, padding ones too, so that the next kernel starts only after this one's predecessor ended.
-    inputs_ready(PDL)
     if first < seg_end:
         rows = tl.arange(0, ROWS)
         dims = tl.arange(0, BLOCK_D)
@@ -415,7 +409,7 @@ def paged_dense_attention(
         scale, num_q_blocks, keys_per_split,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
-        **settings, STORE_LOGITS=logits is not None, ONE_Q_BLOCK=num_q_blocks == 1, **launch_options(query.device),
+        **settings, STORE_LOGITS=logits is not None, ONE_Q_BLOCK=num_q_blocks == 1,
     )
     out, lse = merge_splits(out, lse, query.dtype)
     if score_starts is None:
@@ -584,14 +578,12 @@ def _merge_splits_kernel(
     stride_on, stride_oh,
     stride_ln,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     query = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     head_ok = heads < NUM_HEADS
     mask = head_ok[:, None] & (dims[None, :] < HEAD_DIM)
-    inputs_ready(PDL)
     top = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for split in range(splits):
         part_lse = tl.load(part_lse_ptr + split * stride_qs + query * stride_qn + heads, mask=head_ok,
@@ -632,7 +624,7 @@ def merge_splits(
         out.stride(0), out.stride(1),
         lse.stride(0),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), **launch_options(partial.device),
+        BLOCK_D=triton.next_power_of_2(head_dim),
     )
     return out, lse
 
