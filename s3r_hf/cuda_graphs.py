@@ -185,7 +185,7 @@ class DecodeGraphs:
         if fresh:
             static = captured.inputs
             captured.graph, captured.outputs = self._capture(
-                lambda: phase(static, capacity, num_splits=1, passes=passes), key, precision
+                lambda: phase(static, capacity, passes=passes), key, precision
             )
             self.steps[key] = captured
         captured.graph.replay()
@@ -264,8 +264,8 @@ class DecodeGraphs:
         positions = torch.zeros(bucket, **int32)
         block_tables = torch.zeros(bucket, self.max_pages, **int32)
         plan = StepPlan(write_index=torch.zeros(bucket, **long), position_ids=torch.zeros(1, bucket, **long))
-        # Dense kernels choose their key splits from the grid and `max_context`, both fixed for a graph; sparse
-        # draft steps read a few hundred keys and stay unsplit.
+        # The attention kernels choose their key splits from the grid and `max_context` / `max_keys`, all fixed for
+        # a graph (`triton_backend._num_splits`, `sparse_splits`).
         if kind == "dense":
             plan.dense = DenseSegments(
                 query_index=None, cu_seqlens=torch.arange(bucket + 1, **int32), positions=positions,
@@ -290,7 +290,7 @@ class DecodeGraphs:
             plan.sparse = SparseQueries(
                 query_index=None, slots=torch.zeros(bucket, **long), block_tables=block_tables,
                 tail_starts=torch.zeros(bucket, **int32), positions=positions, view_width=capacity,
-                max_keys=capacity + self.draft_len + 1, num_splits=1,
+                max_keys=capacity + self.draft_len + 1, num_splits=None,
             )
         return _CapturedStep(graph=None, plan=plan, input_ids=torch.zeros(1, bucket, **long))
 

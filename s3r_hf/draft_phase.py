@@ -87,9 +87,7 @@ class DraftPhase:
             return None
         return (processors, self.greedy, self.draft_len, self.page_size, self.scratch_row, self.vocab_size)
 
-    def __call__(
-        self, inputs: DraftInputs, view_width: int, num_splits: int | None = None, passes: int | None = None
-    ) -> DraftOutputs:
+    def __call__(self, inputs: DraftInputs, view_width: int, passes: int | None = None) -> DraftOutputs:
         """Run `passes` (default `draft_len`) passes; `view_width` bounds the index views read (a host int, fixed
         for a captured graph)."""
         if not self.greedy and inputs.noise is None:
@@ -108,7 +106,6 @@ class DraftPhase:
             sparse = SparseQueries(
                 query_index=None, slots=inputs.slots, block_tables=inputs.block_tables, tail_starts=tail_starts,
                 positions=positions_int32[step], view_width=view_width, max_keys=view_width + step + 1,
-                num_splits=num_splits,
             )
             plan = StepPlan(write_index=write_index[step], position_ids=positions[step][None], sparse=sparse)
             logits = self.forward(tokens[None], plan)

@@ -129,6 +129,12 @@ def test_prompt_chunks_of_any_length_share_one_tiling_that_no_verify_block_takes
         assert str(decode_shaped) not in tilings
 
 
+def test_sparse_kernel_splits_keys_in_float32_only_where_the_grid_is_small():
+    # SmolLM2's views (3 KV heads, 64-wide heads, 192 keys and a tail of up to 7): one K tile per split in float32.
+    assert [triton_backend.sparse_splits(rows, 3, 199, 64, 4) for rows in (16, 32, 64, 256)] == [4, 4, 2, 1]
+    assert [triton_backend.sparse_splits(rows, 3, 199, 64, 2) for rows in (4, 16, 64)] == [1, 1, 1]
+
+
 def test_key_splits_fill_the_gpu_in_powers_of_two():
     assert triton_backend._num_splits(192, 4096, 1024) == 2  # SmolLM2 at B=64: 528 / 192 rounds up to 3, then down
     assert triton_backend._num_splits(512, 8192, 1024) == 2  # Qwen3-1.7B at B=64

@@ -126,8 +126,8 @@ def paged_sparse_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `reference.paged_sparse_attention` (same arguments and results).
 
-    `num_splits` fixes how many programs share a row's keys (CUDA-graph steps need a fixed grid); by default it
-    is chosen from the shape.
+    `num_splits` fixes how many programs share a row's keys; by default `sparse_splits` chooses it from the shape,
+    the same choice for every launch of a CUDA graph when `max_keys` is given.
     """
     num_queries, num_heads, head_dim = query.shape
     num_kv_heads = key_pool.shape[2]
@@ -140,7 +140,7 @@ def paged_sparse_attention(
     if num_queries == 0:
         return torch.empty_like(query), torch.empty(0, num_heads, dtype=torch.float32, device=query.device)
     longest = max_keys if max_keys is not None else int(view_lens.max() + (positions - tail_starts).max() + 1)
-    splits = num_splits or _num_splits(num_queries * num_kv_heads, longest, min_keys=_MIN_KEYS_PER_SPLIT)
+    splits = num_splits or sparse_splits(num_queries, num_kv_heads, longest, head_dim, query.element_size())
     keys_per_split = -(-longest // splits)
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
@@ -160,6 +160,16 @@ def paged_sparse_attention(
         **launch_settings(head_dim, element_size=query.element_size()),
     )
     return merge_splits(out, lse, query.dtype)
+
+
+def sparse_splits(rows: int, num_kv_heads: int, keys: int, head_dim: int, element_size: int) -> int:
+    """Key splits of the sparse kernel over `keys` keys per (row, KV head). In bf16/fp16 none: over views of 192-205
+    keys one program per (row, KV head) was the fastest at 4-64 rows. In float32 a program's K tile holds half the
+    keys and its loop takes longer, and splits of one K tile each paid where the grid is small: 4 splits at 16 and
+    32 rows (docs/benchmarks.md, "Kernel launch settings")."""
+    if element_size < 4:
+        return 1
+    return _num_splits(rows * num_kv_heads, keys, min_keys=_key_tile(head_dim, element_size))
 
 
 def launch_settings(head_dim: int, stores_logits: bool = False, element_size: int = 2) -> dict:
