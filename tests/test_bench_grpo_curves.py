@@ -103,6 +103,41 @@ def test_modes_are_compared_by_tokens_per_second_and_by_seconds_per_step():
     assert "s3r vs engine-ar (seconds per warm step): generation x1.11, whole step x1.10" in table
 
 
+def test_paired_steps_compare_both_rollouts_of_each_step():
+    bench = bench_grpo()
+    # The first step compiles and is left out. Then S3R generates 1,000 tokens in 4 s and engine AR 1,100 in 5 s, and
+    # each step also trains for 3 s: its logged time holds both rollouts.
+    steps = [{"step": 1, "step_seconds": 60.0, "generate_seconds": 40.0, "completion_tokens": 900,
+              "paired_ar_generate_seconds": 15.0, "paired_ar_completion_tokens": 900}]
+    steps += [{"step": i, "step_seconds": 12.0, "generate_seconds": 4.0, "completion_tokens": 1000,
+               "paired_ar_generate_seconds": 5.0, "paired_ar_completion_tokens": 1100} for i in (2, 3)]
+    summary = bench.summarise(steps)
+    assert summary["paired_steps"] == 2
+    assert summary["paired_generate_by_seconds"] == pytest.approx(5 / 4)
+    assert summary["paired_generate_by_tokens_per_second"] == pytest.approx((1000 / 4) / (1100 / 5))
+    assert summary["paired_step_by_seconds"] == pytest.approx(8 / 7)  # 12 - 5 against 12 - 4
+    assert summary["paired_step_by_tokens_per_second"] == pytest.approx((1000 / 7) / (1100 / 8))
+    table = bench.markdown_table([{"mode": "s3r-paired", "status": "ok", "summary": summary}])
+    assert ("S3R vs engine AR on the same weights and prompts (2 warm steps, 2,000 vs 2,200 tokens): generation "
+            "x1.25 by seconds") in table
+    unpaired = [{key: value for key, value in row.items() if not key.startswith("paired")} for row in steps]
+    assert "paired_steps" not in bench.summarise(unpaired)
+
+
+def test_a_paired_run_trains_on_s3r_and_times_engine_ar_on_the_same_prompts(tiny_model_dir, tmp_path):
+    results = bench_grpo().main([
+        "--model", tiny_model_dir, "--dataset", "arithmetic", "--arithmetic-size", "8", "--modes", "s3r-paired",
+        "--max-steps", "2", "--num-generations", "4", "--per-device-batch", "4", "--max-completion-length", "6",
+        "--s3r-config", TINY_S3R, "--in-process", "--output-dir", str(tmp_path / "trainer"),
+    ])
+    assert [(r["mode"], r["status"], len(r["steps"])) for r in results] == [("s3r-paired", "ok", 2)]
+    for row in results[0]["steps"]:
+        assert row["generate_seconds"] > 0 and row["paired_ar_generate_seconds"] > 0
+        assert row["paired_ar_completion_tokens"] >= 4  # every completion has a token at least
+        assert "tau" in row
+    assert results[0]["summary"]["paired_steps"] == 1
+
+
 def test_runs_go_one_per_device_at_a_time(monkeypatch):
     bench = bench_grpo()
     placed, running, most = [], [0], [0]

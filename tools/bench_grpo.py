@@ -6,6 +6,9 @@ time, the generation time, completion tokens per step, tokens/s and the reward o
 - `s3r`: `S3RGRPOTrainer` with S3R rollouts (exact sparse-draft / dense-verify speculative sampling);
 - `engine-ar`: `S3RGRPOTrainer` with `s3r_rollout_mode="ar"`: the same engine, `--s3r-config` and kernels decoding
   densely, no drafting. Against `trl` it measures what the engine gains; `s3r` against it, what speculation adds;
+- `s3r-paired`: `s3r` training, and every step also generates the same prompts from the same weights with the engine's
+  dense decoding (its completions are discarded; the two calls take turns going first). Two separate runs train
+  apart after their first step, and their response lengths with them; this compares the two rollouts of each step;
 - `trl`: TRL's default generation (`model.generate` on a left-padded batch);
 - `trl-paged`: TRL's `use_transformers_continuous_batching=True` (transformers' paged continuous batching
   `generate_batch`; TRL's deprecated alias for it is `use_transformers_paged`).
@@ -58,7 +61,7 @@ DEFAULT_DATASET = REPO_ROOT / "s3r_hf" / "data" / "rollout_prompts.json"
 """The 32 MATH-style problems (with answers) shipped in the package; pass `--dataset` for a real training set."""
 ARITHMETIC = "arithmetic"
 """`--dataset` value for the generated arithmetic problems (`--arithmetic-size`, `--arithmetic-seed`)."""
-MODES = ("s3r", "engine-ar", "trl", "trl-paged")
+MODES = ("s3r", "engine-ar", "trl", "trl-paged", "s3r-paired")
 PRESETS = {"default": 1024, "long": 4096}
 """`--preset` name -> max completion length (tokens)."""
 # (faster, baseline, what the ratio measures) for the speed-up lines under the table.
@@ -75,6 +78,8 @@ STEP_KEYS = {
     "bench/generate_seconds": "generate_seconds",
     "bench/completion_tokens": "completion_tokens",
     "bench/sequences": "sequences",
+    "bench/paired_ar_generate_seconds": "paired_ar_generate_seconds",
+    "bench/paired_ar_completion_tokens": "paired_ar_completion_tokens",
     "completions/mean_length": "mean_length",
     "completions/clipped_ratio": "clipped_ratio",
     "reward": "reward",
@@ -221,6 +226,15 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def _timed(call: Callable[[], Any]) -> tuple[float, Any]:
+    """`(seconds, result)` of `call`, the device synchronized before and after."""
+    _synchronize()
+    started = time.perf_counter()
+    result = call()
+    _synchronize()
+    return time.perf_counter() - started, result
+
+
 def _trainer_classes() -> tuple[type, type]:
     """`(TimedGRPOTrainer, StepCallback)`, defined lazily so the parent process never imports torch or TRL."""
     from transformers import TrainerCallback
@@ -228,20 +242,40 @@ def _trainer_classes() -> tuple[type, type]:
     from trl_integration import S3RGRPOTrainer
 
     class TimedGRPOTrainer(S3RGRPOTrainer):
-        """`S3RGRPOTrainer` that also logs the wall time and completion tokens of every rollout."""
+        """`S3RGRPOTrainer` that also logs the wall time and completion tokens of every rollout; with `paired` set,
+        also those of the engine's dense decoding of the same prompts from the same weights (`s3r-paired`)."""
+
+        paired = False
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-            _synchronize()
-            started = time.perf_counter()
-            completion_ids, logprobs = super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
-            _synchronize()
             metrics = self._metrics["train" if self.model.training else "eval"]
-            metrics["bench/generate_seconds"].append(time.perf_counter() - started)
+            arguments = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            dense_first = self.paired and self.state.global_step % 2 == 1
+            if dense_first:
+                self._paired_dense_rollout(metrics, arguments)
+            seconds, (completion_ids, logprobs) = _timed(lambda: super(TimedGRPOTrainer, self)._generate_single_turn(
+                *arguments))
+            metrics["bench/generate_seconds"].append(seconds)
             metrics["bench/completion_tokens"].append(float(sum(len(ids) for ids in completion_ids)))
             metrics["bench/sequences"].append(float(len(completion_ids)))
+            if self.paired and not dense_first:
+                self._paired_dense_rollout(metrics, arguments)
             return completion_ids, logprobs
+
+        def _paired_dense_rollout(self, metrics, arguments) -> None:
+            """The engine's dense decoding of this step's prompts, timed; its completions and its S3R metrics are
+            dropped, so the step trains on, and logs, the S3R rollout alone."""
+            kept = {key: len(values) for key, values in metrics.items()}
+            self.args.s3r_rollout_mode = "ar"
+            try:
+                seconds, (completion_ids, _) = _timed(lambda: super(TimedGRPOTrainer, self)._generate_single_turn(
+                    *arguments))
+            finally:
+                self.args.s3r_rollout_mode = "s3r"
+            for key, values in metrics.items():
+                del values[kept.get(key, 0):]
+            metrics["bench/paired_ar_generate_seconds"].append(seconds)
+            metrics["bench/paired_ar_completion_tokens"].append(float(sum(len(ids) for ids in completion_ids)))
 
     class StepCallback(TrainerCallback):
         """Records and prints every logged step; stops before a step that would overrun the time budget.
@@ -356,7 +390,7 @@ def run_mode(args: argparse.Namespace, mode: str, seed: int) -> dict[str, Any]:
                 extra["transformers_continuous_batching_config"] = json.loads(args.cb_config)
         with tempfile.TemporaryDirectory(prefix="bench-grpo-") as scratch:
             config = S3RGRPOConfig(
-                output_dir=args.output_dir or scratch, use_s3r=mode in ("s3r", "engine-ar"),
+                output_dir=args.output_dir or scratch, use_s3r=mode in ("s3r", "engine-ar", "s3r-paired"),
                 s3r_rollout_mode="ar" if mode == "engine-ar" else "s3r", s3r_config=args.s3r_config,
                 max_steps=args.max_steps, num_generations=args.num_generations,
                 per_device_train_batch_size=args.per_device_batch, max_completion_length=args.max_completion_length,
@@ -367,6 +401,7 @@ def run_mode(args: argparse.Namespace, mode: str, seed: int) -> dict[str, Any]:
                 model=model, reward_funcs=accuracy_reward, args=config,
                 train_dataset=load_training_dataset(args), processing_class=tokenizer,
             )
+            trainer.paired = mode == "s3r-paired"
             for noisy in (PrinterCallback, ProgressCallback):
                 trainer.remove_callback(noisy)
             trainer.add_callback(StepCallback(run_name(mode, seed), args.max_seconds_per_mode, args.min_steps,
@@ -382,7 +417,8 @@ def run_mode(args: argparse.Namespace, mode: str, seed: int) -> dict[str, Any]:
                 result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
             result["steps"] = [step_record(e["step"], e) for e in trainer.state.log_history if "step_time" in e]
             s3r_config = config.resolved_s3r_config()
-            if mode == "s3r" and s3r_config.adaptive:  # what the draft-length rule measured per bucket, all steps
+            # What the draft-length rule measured per bucket, over all steps.
+            if mode in ("s3r", "s3r-paired") and s3r_config.adaptive:
                 from s3r_hf.runtime_state import adaptive_policy
 
                 result["draft_policy"] = adaptive_policy(model, s3r_config).report()
@@ -476,7 +512,31 @@ def summarise(steps: list[dict[str, Any]]) -> dict[str, float]:
     generate, step = sum(column(warm, "generate_seconds")), sum(column(warm, "step_seconds"))
     summary["generate_tokens_per_second_warm"] = tokens / generate if generate else math.nan
     summary["step_tokens_per_second_warm"] = tokens / step if step else math.nan
+    summary.update(_paired_summary(warm))
     return summary
+
+
+def _paired_summary(warm: list[dict[str, Any]]) -> dict[str, float]:
+    """S3R over the engine's dense decoding on the same steps (`s3r-paired`), by seconds and by tokens/s, for the
+    generation and for the whole step (a step with one rollout: the logged step less the other mode's rollout)."""
+    paired = [row for row in warm if "paired_ar_generate_seconds" in row and "generate_seconds" in row]
+    if not paired:
+        return {}
+    s3r_tokens = sum(row["completion_tokens"] for row in paired)
+    ar_tokens = sum(row["paired_ar_completion_tokens"] for row in paired)
+    s3r_generate = sum(row["generate_seconds"] for row in paired)
+    ar_generate = sum(row["paired_ar_generate_seconds"] for row in paired)
+    s3r_step = sum(row["step_seconds"] - row["paired_ar_generate_seconds"] for row in paired)
+    ar_step = sum(row["step_seconds"] - row["generate_seconds"] for row in paired)
+    return {
+        "paired_steps": len(paired),
+        "paired_s3r_tokens": s3r_tokens,
+        "paired_ar_tokens": ar_tokens,
+        "paired_generate_by_seconds": ar_generate / s3r_generate,
+        "paired_generate_by_tokens_per_second": (s3r_tokens / s3r_generate) / (ar_tokens / ar_generate),
+        "paired_step_by_seconds": ar_step / s3r_step,
+        "paired_step_by_tokens_per_second": (s3r_tokens / s3r_step) / (ar_tokens / ar_step),
+    }
 
 
 def run_labels(results: list[dict[str, Any]]) -> list[str]:
@@ -527,6 +587,15 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
                      f"whole step x{_fmt(by_time[1])}")
     for result, label in zip(results, run_labels(results)):
         s = result.get("summary", {})
+        if "paired_steps" in s:
+            lines.append(
+                f"\n{label}: S3R vs engine AR on the same weights and prompts ({s['paired_steps']} warm steps, "
+                f"{s['paired_s3r_tokens']:,.0f} vs {s['paired_ar_tokens']:,.0f} tokens): generation "
+                f"x{_fmt(s['paired_generate_by_seconds'])} by seconds, "
+                f"x{_fmt(s['paired_generate_by_tokens_per_second'])} by tokens/s; whole step "
+                f"x{_fmt(s['paired_step_by_seconds'])} by seconds, "
+                f"x{_fmt(s['paired_step_by_tokens_per_second'])} by tokens/s"
+            )
         if "warm_step_worst_over_median" in s:
             lines.append(
                 f"\n{label}: warm steps within +{s['warm_step_worst_over_median']:.0%} / "
