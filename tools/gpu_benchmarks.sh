@@ -56,7 +56,7 @@
 #   grpo         GRPO rollouts, S3R vs TRL generation (installs $GRPO_WHEELS first; S3R's first step compiles for
 #                ~30 s on a fresh machine, so each mode gets 140 s); GRPO_EXTRA="--model-dtype bfloat16 --bf16" runs
 #                it in bf16; GRPO_S3R_CONFIG overrides the S3RConfig JSON (graphs and compiled layers);
-#                GRPO_MODES (s3r,trl,trl-paged), GRPO_STEPS (5), GRPO_COMPLETION (512 tokens),
+#                GRPO_MODES (s3r,trl,trl-paged; also engine-ar, s3r-paired), GRPO_STEPS (5), GRPO_COMPLETION (512 tokens),
 #                GRPO_SECONDS (90 per mode), GRPO_TIMEOUT (440 in all), GRPO_NAME (suffix of grpo.json and grpo.log)
 #   curves       training curves on the arithmetic task (S3R rollouts vs TRL generation, the same seeds and settings;
 #                docs/benchmarks.md, "Training curves"): SmolLM2 fp32, CURVES_STEPS (default 150) GRPO steps of
