@@ -85,6 +85,44 @@ def test_dense_attention_matches_reference(page_size, group, scored, key_splits)
         assert actual[2] is None
 
 
+@pytest.mark.parametrize("scored", [False, True])
+@pytest.mark.usefixtures("score_source")
+def test_every_key_split_reads_a_share_of_its_own_segments_keys(scored, monkeypatch):
+    """A CUDA graph sizes the grid for its longest context; at shorter contexts each segment's keys are still shared
+    out among all of the splits, rather than leaving the later splits without work."""
+    generator = torch.Generator().manual_seed(3)
+    # Contexts long enough for four splits of whole K tiles (128 keys of these 16-wide float32 heads) each.
+    inputs = dense_inputs([1, 7, 7], [1200, 1000, 800], 4, 3, generator)
+    starts = torch.tensor([0, 0, 3], device=DEVICE) if scored else None
+    partial_lse = []
+    merge = triton_backend.merge_splits
+    monkeypatch.setattr(triton_backend, "merge_splits", lambda out, lse, dtype: partial_lse.append(lse) or merge(
+        out, lse, dtype))
+    actual = triton_backend.paged_dense_attention(*inputs, 0.3, starts, max_query_len=7, max_context=8192,
+                                                  num_splits=4)
+    expected = reference.paged_dense_attention(*inputs, 0.3, starts)
+    torch.testing.assert_close(actual[0], expected[0], **TOL)
+    torch.testing.assert_close(actual[1], expected[1], **TOL)
+    if scored:  # scores as wide as the grid's context: nothing past the longest segment's
+        width = expected[2].shape[-1]
+        torch.testing.assert_close(actual[2][..., :width], expected[2], **TOL)
+        assert not actual[2][..., width:].any()
+    assert torch.isfinite(partial_lse[0]).all()  # [splits, queries, heads]: every split saw keys of every query
+
+    # The sparse kernel likewise, over views far shorter than the graph's `max_keys`.
+    query, key_pool, value_pool, tables = (inputs[0][:3], *inputs[1:4])
+    lens = torch.tensor([60, 40, 70], device=DEVICE)
+    view = torch.stack([torch.randperm(80, generator=generator)[:70].sort().values for _ in range(6)]).view(3, 2, 70)
+    tails = torch.tensor([80, 80, 80], device=DEVICE)
+    args = (query, key_pool, value_pool, tables, view.int().to(DEVICE), lens, tails, tails + 5, 0.3)
+    partial_lse.clear()
+    actual = triton_backend.paged_sparse_attention(*args, max_keys=1024, num_splits=4)
+    expected = reference.paged_sparse_attention(*args)
+    torch.testing.assert_close(actual[0], expected[0], **TOL)
+    torch.testing.assert_close(actual[1], expected[1], **TOL)
+    assert torch.isfinite(partial_lse[0]).all()
+
+
 @pytest.mark.parametrize("tiling", [
     {"ROWS": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
     {"ROWS": 128, "BLOCK_N": 16, "num_warps": 8, "num_stages": 3},

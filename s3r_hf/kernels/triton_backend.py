@@ -46,7 +46,7 @@ def _padded(n: int) -> int:
     return -(-max(n, 1) // _PAD) * _PAD
 
 
-@triton.jit(do_not_specialize=["stride_btn", "stride_vn", "stride_vh", "stride_ls", "keys_per_split"])
+@triton.jit(do_not_specialize=["stride_btn", "stride_vn", "stride_vh", "stride_ls"])
 def _sparse_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, view_ptr, view_len_ptr, tail_ptr, pos_ptr, out_ptr, lse_ptr,
     stride_qn, stride_qh,
@@ -55,7 +55,7 @@ def _sparse_decode_kernel(
     stride_vn, stride_vh,
     stride_os, stride_on, stride_oh,
     stride_ls, stride_ln,
-    scale, keys_per_split,
+    scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -75,6 +75,8 @@ def _sparse_decode_kernel(
     tail = tl.load(tail_ptr + query)
     position = tl.load(pos_ptr + query)
     total = view_len + (position - tail + 1)
+    # The query's own keys are shared out among the splits, not the longest view the grid was sized for.
+    keys_per_split = tl.cdiv(total, tl.num_programs(2))
     lo = split * keys_per_split
     hi = tl.minimum(total, lo + keys_per_split)
 
@@ -141,7 +143,6 @@ def paged_sparse_attention(
         return torch.empty_like(query), torch.empty(0, num_heads, dtype=torch.float32, device=query.device)
     longest = max_keys if max_keys is not None else int(view_lens.max() + (positions - tail_starts).max() + 1)
     splits = num_splits or sparse_splits(num_queries, num_kv_heads, longest, head_dim, query.element_size())
-    keys_per_split = -(-longest // splits)
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     _sparse_decode_kernel[(num_queries, num_kv_heads, splits)](
@@ -154,7 +155,7 @@ def paged_sparse_attention(
         index_view.stride(0), index_view.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        scale, keys_per_split,
+        scale,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
         **launch_settings(head_dim, element_size=query.element_size()),
@@ -259,7 +260,7 @@ def _out_dtype(query: torch.Tensor, splits: int) -> torch.dtype:
     return query.dtype if splits == 1 else torch.float32
 
 
-@triton.jit(do_not_specialize=["stride_bts", "stride_ls", "num_q_blocks", "keys_per_split"])
+@triton.jit(do_not_specialize=["stride_bts", "stride_ls", "num_q_blocks"])
 def _dense_varlen_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, pos_ptr, out_ptr, lse_ptr, logit_ptr, score_start_ptr,
     stride_qn, stride_qh,
@@ -268,7 +269,7 @@ def _dense_varlen_kernel(
     stride_os, stride_on, stride_oh,
     stride_ls, stride_ln,
     stride_gs, stride_gh, stride_gr,
-    scale, num_q_blocks, keys_per_split,
+    scale, num_q_blocks,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     STORE_LOGITS: tl.constexpr, ONE_Q_BLOCK: tl.constexpr,
@@ -281,9 +282,11 @@ def _dense_varlen_kernel(
     if ONE_Q_BLOCK:
         q_block = 0
         split = tl.program_id(2)
+        splits = tl.num_programs(2)
     else:
         q_block = tl.program_id(2) % num_q_blocks
         split = tl.program_id(2) // num_q_blocks
+        splits = tl.num_programs(2) // num_q_blocks
     seg_start = tl.load(cu_ptr + segment)
     seg_end = tl.load(cu_ptr + segment + 1)
     first = seg_start + q_block * BLOCK_M
@@ -298,8 +301,10 @@ def _dense_varlen_kernel(
         q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         q_pos = tl.load(pos_ptr + query, mask=row_ok, other=-1)
         context = tl.max(q_pos, 0) + 1
-        # `keys_per_split` is a multiple of BLOCK_N (the host rounds it), so every tile starts aligned: the compiler
-        # may vectorize the stored logits and the block-table reads along the keys.
+        # The block's own keys are shared out among the splits in whole tiles, not the longest context the grid was
+        # sized for (a CUDA graph's), which would leave the later splits without work at shorter contexts. Each
+        # split starts on a tile boundary, so the compiler may vectorize the stored logits and the block-table reads.
+        keys_per_split = tl.cdiv(tl.cdiv(context, splits), BLOCK_N) * BLOCK_N
         lo = tl.multiple_of(split * keys_per_split, BLOCK_N)
         hi = tl.minimum(context, lo + keys_per_split)
         if STORE_LOGITS:
@@ -398,10 +403,6 @@ def paged_dense_attention(
     splits = num_splits or _num_splits(
         num_segments * num_kv_heads * num_q_blocks, max_context, min_keys=_MIN_KEYS_PER_SPLIT, target=target
     )
-    # Whole tiles per split: `keys_per_split` is an unspecialized argument (it changes with the context), so the
-    # kernel learns the alignment of each split's first key from this rounding (`tl.multiple_of`).
-    tile = settings["BLOCK_N"]
-    keys_per_split = -(-max_context // (splits * tile)) * tile
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     grid = (num_segments, num_kv_heads, num_q_blocks * splits)
@@ -416,7 +417,7 @@ def paged_dense_attention(
         scratch.stride(0) if logits is not None else 0,
         scratch.stride(1) if logits is not None else 0,
         scratch.stride(2) if logits is not None else 0,
-        scale, num_q_blocks, keys_per_split,
+        scale, num_q_blocks,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
         **settings, STORE_LOGITS=logits is not None, ONE_Q_BLOCK=num_q_blocks == 1,
