@@ -55,6 +55,11 @@ as many tokens."""
 _BLOCK_KINDS = ("verify", "block")
 
 
+def _bucket_for(rows: int) -> int:
+    """The smallest bucket that holds `rows` rows (the largest bucket for more)."""
+    return next(b for b in BUCKETS if b >= min(rows, BUCKETS[-1]))
+
+
 @dataclass
 class _CapturedStep:
     graph: torch.cuda.CUDAGraph | None
@@ -138,11 +143,12 @@ class DecodeGraphs:
         # A block graph holds `width` queries per request: a round that drafts fewer tokens (adaptive draft
         # lengths) replays one sized for its own blocks rather than padding every block to `draft_len + 1`.
         width = plan.dense.max_query_len if kind in _BLOCK_KINDS else 1
-        key = self._key(kind, max(segments, bucket_floor), capacity, width)
+        rows = max(segments, bucket_floor)
+        key = self._key(kind, rows, capacity, width)
         step = self.steps.get(key)
         if step is None:
             self._drop_stale(kind, key)
-            step = self._static_step(kind, key[1], width)
+            step = self._static_step(kind, key[1], width, split_rows=_bucket_for(rows))
             self._fill(kind, step, input_ids, plan, count)
             step.graph, step.logits = self._capture(lambda: self.forward(step.input_ids, step.plan), key, precision)
             self.steps[key] = step
@@ -213,7 +219,7 @@ class DecodeGraphs:
         `REUSE_FACTOR` times too large (with `replay_larger`, also a larger one whose forward holds at most
         `REPLAY_LARGER_TOKENS` tokens), else the smallest that fits."""
         rows = min(rows, BUCKETS[-1])
-        ideal = next(b for b in BUCKETS if b >= rows)
+        ideal = _bucket_for(rows)
         captured = sorted(
             k[1] for k in self.steps
             if k[0] == kind and k[2] == capacity and k[3] == width and k[4] == variant and k[1] >= rows
@@ -257,7 +263,11 @@ class DecodeGraphs:
         static.block_tables.zero_()
         static.block_tables[:count, : inputs.block_tables.shape[1]].copy_(inputs.block_tables)
 
-    def _static_step(self, kind: str, bucket: int, width: int) -> _CapturedStep:
+    def _static_step(self, kind: str, bucket: int, width: int, split_rows: int) -> _CapturedStep:
+        """Static buffers of a step graph of `bucket` rows. A block graph widened past `split_rows` (the bucket its
+        capture's rows need) for the replays of smaller tails splits its keys as a graph of `split_rows` would: a
+        tail of a few rows is what replays it, and the split count chosen for all of its padding segments would
+        leave each real row's keys to a few long-running programs."""
         device = self.cache.device
         long = dict(dtype=torch.long, device=device)
         int32 = dict(dtype=torch.int32, device=device)
@@ -283,6 +293,7 @@ class DecodeGraphs:
                 history_lens=torch.zeros(bucket + 1, **long), num_candidates=self.max_candidates if scored else 0,
                 max_query_len=width, max_context=self.max_context,
                 max_scored_queries=width if scored else 0, num_splits=None,
+                split_segments=split_rows + 1 if split_rows < bucket else None,  # a block graph's segments: rows + 1
             )
             return _CapturedStep(graph=None, plan=plan, input_ids=torch.zeros(1, tokens, **long))
         else:

@@ -66,6 +66,15 @@ def test_buckets_captured_in_a_call_and_replayed_by_later_calls():
     assert graphs._key("draft", 3, 0, width=6)[1] == 256
 
 
+def test_a_widened_tail_verify_graph_splits_keys_as_for_the_rows_it_was_captured_for():
+    """A tail's verify graph holds 32 requests so that smaller tails replay it; its kernels size their key splits
+    for the rows it was captured for, not for its padding segments."""
+    cache = SimpleNamespace(page_size=4, device=torch.device("cpu"))
+    graphs = DecodeGraphs(cache, forward=None, max_pages=8, draft_len=6, max_candidates=16)
+    assert graphs._static_step("verify", 32, 7, split_rows=16).plan.dense.split_segments == 17  # 16 rows + 1
+    assert graphs._static_step("verify", 48, 7, split_rows=48).plan.dense.split_segments is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_greedy_with_cuda_graphs_matches_dense_on_cuda():
     model = s3r_hf.enable(tiny_model("qwen3", seed=31).cuda())

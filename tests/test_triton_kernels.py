@@ -123,6 +123,27 @@ def test_every_key_split_reads_a_share_of_its_own_segments_keys(scored, monkeypa
     assert torch.isfinite(partial_lse[0]).all()
 
 
+def test_key_splits_sized_for_fewer_segments_than_the_grid_holds(monkeypatch):
+    """`split_segments`: a grid with padding segments splits each real segment's keys as a grid of that many would."""
+    generator = torch.Generator().manual_seed(4)
+    # Two verify blocks and 38 empty padding segments, as a tail's verify graph replays them.
+    inputs = dense_inputs([7, 7] + [0] * 38, [1200, 1000] + [7] * 38, 4, 3, generator)
+    starts = torch.tensor([0, 0] + [-1] * 38, device=DEVICE)
+    partial_lse = []
+    merge = triton_backend.merge_splits
+    monkeypatch.setattr(triton_backend, "merge_splits", lambda out, lse, dtype: partial_lse.append(lse) or merge(
+        out, lse, dtype))
+    expected = reference.paged_dense_attention(*inputs, 0.3, starts)
+    for split_segments in (None, 2):
+        actual = triton_backend.paged_dense_attention(*inputs, 0.3, starts, max_query_len=7, max_context=2048,
+                                                      split_segments=split_segments)
+        torch.testing.assert_close(actual[0], expected[0], **TOL)
+        torch.testing.assert_close(actual[2][..., :1200], expected[2], **TOL)
+    # 40 segments x 2 KV heads: 80 programs, 528 / 80 -> 4 splits; sized for 2 segments, 4 programs: 8 splits (the
+    # most for 2,048 keys of 256 each).
+    assert [lse.shape[0] for lse in partial_lse] == [4, 8]
+
+
 @pytest.mark.parametrize("tiling", [
     {"ROWS": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
     {"ROWS": 128, "BLOCK_N": 16, "num_warps": 8, "num_stages": 3},

@@ -60,6 +60,7 @@ def paged_dense_attention(
     max_context: int | None = None,
     max_scored_queries: int | None = None,
     num_splits: int | None = None,
+    split_segments: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Dense causal attention of packed varlen queries over paged K/V (prefill chunks and verify blocks).
 
@@ -76,6 +77,8 @@ def paged_dense_attention(
             saves reading them back from the device. `scores` is `max_context` wide when given.
         max_scored_queries: the most scored queries of any segment, when known (sizes a kernel's scratch).
         num_splits: how many programs a kernel splits each row's keys over (ignored here).
+        split_segments: how many segments a kernel sizes its key splits for, when not all of them (a CUDA graph
+            captured with padding segments for replays at other row counts; ignored here).
 
     Returns:
         `out` `[N, Hq, D]`, `lse` `[N, Hq]` (natural-log normaliser of each query's softmax), and, when

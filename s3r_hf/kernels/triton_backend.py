@@ -361,6 +361,7 @@ def paged_dense_attention(
     max_context: int | None = None,
     max_scored_queries: int | None = None,
     num_splits: int | None = None,
+    split_segments: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Triton version of `reference.paged_dense_attention` (same arguments and results).
 
@@ -401,7 +402,8 @@ def paged_dense_attention(
     num_q_blocks = triton.cdiv(max_len, block_m)
     target = _TARGET_PROGRAMS if logits is None else _TARGET_PROGRAMS_STORING_LOGITS
     splits = num_splits or _num_splits(
-        num_segments * num_kv_heads * num_q_blocks, max_context, min_keys=_MIN_KEYS_PER_SPLIT, target=target
+        (split_segments or num_segments) * num_kv_heads * num_q_blocks, max_context, min_keys=_MIN_KEYS_PER_SPLIT,
+        target=target,
     )
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
