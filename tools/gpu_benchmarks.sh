@@ -79,6 +79,9 @@
 #                --wheels): LAYERS_MODEL=smol (SmolLM2 at B=64, S=4K, the default) or qwen (the Qwen3-1.7B shape at
 #                B=64, S=8K), LAYERS_VARIANTS a subset, LAYERS_VARIANT_TIMEOUT seconds per variant (150);
 #                5-8 minutes per model, each variant's row printed as it ends
+#   chain        a forward's chain of 30 fused SmolLM2 layers and their attention from one CUDA graph, as a dense step
+#                and as a draft pass (tools/decode_chain.py; CHAIN_ARGS replaces its default arguments: float32
+#                with TF32 products at 16 and 32 rows, 3K context, the sparse kernel's own splits and unsplit)
 #   kv-pressure  the paper's Table 2: long rollouts from short prompts on the Qwen3-1.7B shape (forced acceptance), the
 #                KV pool at half the peak need; engine AR, S3R with offload at fixed limits 128/160/256, S3R with AIMD,
 #                lockstep and mixed-stage steps (tools/kv_pressure.py; KVP_ARGS adds its options, KVP_TIMEOUT 540 s)
@@ -303,6 +306,11 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
       tests/test_adaptive_exactness.py tests/test_cuda_graphs.py \
       "tests/test_exactness_sampling.py::test_s3r_samples_stay_exact_when_the_draft_length_varies" \
       2>&1 | tee "$OUT/adaptive_tests.log" | tail -15
+    ;;
+  chain)
+    # shellcheck disable=SC2086
+    timeout 200 python3 tools/decode_chain.py ${CHAIN_ARGS:---rows 16,32 --dtype float32 --tf32 --sparse-splits None,1} \
+      --json "$OUT/chain.json" 2>&1 | grep -v -i warn | tee "$OUT/chain.log"
     ;;
   layers)
     # One model per call: five variants, each compiling and capturing in a child process of its own, take 5-8 minutes.
