@@ -85,19 +85,25 @@ def test_dense_attention_matches_reference(page_size, group, scored, key_splits)
         assert actual[2] is None
 
 
+@pytest.fixture
+def partial_lse(monkeypatch):
+    """The per-split LSEs `[splits, queries, heads]` of every split launch, as `merge_splits` receives them."""
+    seen = []
+    merge = triton_backend.merge_splits
+    monkeypatch.setattr(triton_backend, "merge_splits", lambda out, lse, dtype: seen.append(lse) or merge(
+        out, lse, dtype))
+    return seen
+
+
 @pytest.mark.parametrize("scored", [False, True])
 @pytest.mark.usefixtures("score_source")
-def test_every_key_split_reads_a_share_of_its_own_segments_keys(scored, monkeypatch):
+def test_every_key_split_reads_a_share_of_its_own_segments_keys(scored, partial_lse):
     """A CUDA graph sizes the grid for its longest context; at shorter contexts each segment's keys are still shared
     out among all of the splits, rather than leaving the later splits without work."""
     generator = torch.Generator().manual_seed(3)
     # Contexts long enough for four splits of whole K tiles (128 keys of these 16-wide float32 heads) each.
     inputs = dense_inputs([1, 7, 7], [1200, 1000, 800], 4, 3, generator)
     starts = torch.tensor([0, 0, 3], device=DEVICE) if scored else None
-    partial_lse = []
-    merge = triton_backend.merge_splits
-    monkeypatch.setattr(triton_backend, "merge_splits", lambda out, lse, dtype: partial_lse.append(lse) or merge(
-        out, lse, dtype))
     actual = triton_backend.paged_dense_attention(*inputs, 0.3, starts, max_query_len=7, max_context=8192,
                                                   num_splits=4)
     expected = reference.paged_dense_attention(*inputs, 0.3, starts)
@@ -123,16 +129,12 @@ def test_every_key_split_reads_a_share_of_its_own_segments_keys(scored, monkeypa
     assert torch.isfinite(partial_lse[0]).all()
 
 
-def test_key_splits_sized_for_fewer_segments_than_the_grid_holds(monkeypatch):
+def test_key_splits_sized_for_fewer_segments_than_the_grid_holds(partial_lse):
     """`split_segments`: a grid with padding segments splits each real segment's keys as a grid of that many would."""
     generator = torch.Generator().manual_seed(4)
     # Two verify blocks and 38 empty padding segments, as a tail's verify graph replays them.
     inputs = dense_inputs([7, 7] + [0] * 38, [1200, 1000] + [7] * 38, 4, 3, generator)
     starts = torch.tensor([0, 0] + [-1] * 38, device=DEVICE)
-    partial_lse = []
-    merge = triton_backend.merge_splits
-    monkeypatch.setattr(triton_backend, "merge_splits", lambda out, lse, dtype: partial_lse.append(lse) or merge(
-        out, lse, dtype))
     expected = reference.paged_dense_attention(*inputs, 0.3, starts)
     for split_segments in (None, 2):
         actual = triton_backend.paged_dense_attention(*inputs, 0.3, starts, max_query_len=7, max_context=2048,
