@@ -66,6 +66,7 @@ class _CapturedStep:
     plan: StepPlan
     input_ids: torch.Tensor  # [1, B]
     logits: torch.Tensor | None = None  # [B, V], the graph's output
+    live_segments: int | None = None  # the count last written to `plan.dense.live_segments`
 
 
 @dataclass
@@ -148,7 +149,7 @@ class DecodeGraphs:
         step = self.steps.get(key)
         if step is None:
             self._drop_stale(kind, key)
-            step = self._static_step(kind, key[1], width, split_rows=_bucket_for(rows))
+            step = self._static_step(kind, key[1], width)
             self._fill(kind, step, input_ids, plan, count)
             step.graph, step.logits = self._capture(lambda: self.forward(step.input_ids, step.plan), key, precision)
             self.steps[key] = step
@@ -263,24 +264,26 @@ class DecodeGraphs:
         static.block_tables.zero_()
         static.block_tables[:count, : inputs.block_tables.shape[1]].copy_(inputs.block_tables)
 
-    def _static_step(self, kind: str, bucket: int, width: int, split_rows: int) -> _CapturedStep:
-        """Static buffers of a step graph of `bucket` rows. A block graph widened past `split_rows` (the bucket its
-        capture's rows need) for the replays of smaller tails splits its keys as a graph of `split_rows` would: a
-        tail of a few rows is what replays it, and the split count chosen for all of its padding segments would
-        leave each real row's keys to a few long-running programs."""
+    def _static_step(self, kind: str, bucket: int, width: int) -> _CapturedStep:
+        """Static buffers of a step graph of `bucket` rows. Its dense attention reads how many rows are real
+        (`DenseSegments.live_segments`, set by `_fill`) and splits their keys as a grid of that many rows would: a
+        graph replayed for a tail of a few rows would otherwise leave each row's keys to the few long-running
+        programs chosen for all of its padding rows."""
         device = self.cache.device
         long = dict(dtype=torch.long, device=device)
         int32 = dict(dtype=torch.int32, device=device)
         positions = torch.zeros(bucket, **int32)
         block_tables = torch.zeros(bucket, self.max_pages, **int32)
         plan = StepPlan(write_index=torch.zeros(bucket, **long), position_ids=torch.zeros(1, bucket, **long))
-        # The attention kernels choose their key splits from the grid and `max_context` / `max_keys`, all fixed for
-        # a graph (`triton_backend._num_splits`, `sparse_splits`).
+        # The attention kernels size their grids' key splits from the bucket and `max_context` / `max_keys`, all
+        # fixed for a graph (`triton_backend._num_splits`, `sparse_splits`); the dense kernel then uses as many of
+        # them as suit the rows of each replay (`live_segments`).
         if kind == "dense":
             plan.dense = DenseSegments(
                 query_index=None, cu_seqlens=torch.arange(bucket + 1, **int32), positions=positions,
                 block_tables=block_tables, score_starts=None, history_lens=torch.zeros(bucket, **long),
                 num_candidates=0, max_query_len=1, max_context=self.max_context, num_splits=None,
+                live_segments=torch.full((1,), bucket, **int32),
             )
         elif kind in _BLOCK_KINDS:
             tokens = bucket * width
@@ -293,7 +296,7 @@ class DecodeGraphs:
                 history_lens=torch.zeros(bucket + 1, **long), num_candidates=self.max_candidates if scored else 0,
                 max_query_len=width, max_context=self.max_context,
                 max_scored_queries=width if scored else 0, num_splits=None,
-                split_segments=split_rows + 1 if split_rows < bucket else None,  # a block graph's segments: rows + 1
+                live_segments=torch.full((1,), bucket, **int32),
             )
             return _CapturedStep(graph=None, plan=plan, input_ids=torch.zeros(1, tokens, **long))
         else:
@@ -327,6 +330,10 @@ class DecodeGraphs:
         if width < target.block_tables.shape[1] or rows < target.block_tables.shape[0]:
             target.block_tables.zero_()
         target.block_tables[:rows, :width].copy_(source.block_tables)
+        live = rows if kind in _BLOCK_KINDS else count
+        if static.dense is not None and live != step.live_segments:  # a launch only when the row count changes
+            target.live_segments.fill_(live)
+            step.live_segments = live
         if kind in _BLOCK_KINDS:
             # Real segments first; all unused token slots form one padding segment; later segments are empty.
             target.cu_seqlens[: rows + 1].copy_(source.cu_seqlens)

@@ -27,9 +27,9 @@ class DenseSegments:
     max_context: int  # longest context, the last query's position + 1
     max_scored_queries: int = 0  # most scored queries of any segment (sizes the verify-score scratch)
     num_splits: int | None = None  # fixed key split (CUDA-graph steps); None lets the kernel choose
-    # Segments the kernel sizes its key splits for when not all of them: a CUDA graph of verify blocks captured with
-    # padding segments, so that smaller tails replay it, splits as for the rows it was captured for.
-    split_segments: int | None = None
+    # `[1]` int32 on the device: how many leading segments hold real queries (a CUDA graph's static plan, replayed
+    # at fewer rows than it holds). The kernel sizes its key splits for those rather than for the whole grid.
+    live_segments: torch.Tensor | None = None
     # A prefill step split by kind of query (`attention.py`; long chunks, or scored chunks longer than their scored
     # queries): `(segment, first packed row, first position, end position)` of each long one, which runs through
     # torch's fused causal attention (possibly none); the other segments' queries (`paged`, unscored) and every

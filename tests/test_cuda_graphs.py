@@ -66,13 +66,33 @@ def test_buckets_captured_in_a_call_and_replayed_by_later_calls():
     assert graphs._key("draft", 3, 0, width=6)[1] == 256
 
 
-def test_a_widened_tail_verify_graph_splits_keys_as_for_the_rows_it_was_captured_for():
-    """A tail's verify graph holds 32 requests so that smaller tails replay it; its kernels size their key splits
-    for the rows it was captured for, not for its padding segments."""
-    cache = SimpleNamespace(page_size=4, device=torch.device("cpu"))
+def test_a_replay_tells_the_dense_attention_how_many_rows_are_real():
+    """A graph replayed for fewer rows than it holds (a tail's widened verify graph, a larger bucket) sizes its key
+    splits for the real rows, through `DenseSegments.live_segments`, which each fill sets."""
+    cache = SimpleNamespace(page_size=4, device=torch.device("cpu"), scratch_page=0, padding_slot=0)
     graphs = DecodeGraphs(cache, forward=None, max_pages=8, draft_len=6, max_candidates=16)
-    assert graphs._static_step("verify", 32, 7, split_rows=16).plan.dense.split_segments == 17  # 16 rows + 1
-    assert graphs._static_step("verify", 48, 7, split_rows=48).plan.dense.split_segments is None
+    verify = graphs._static_step("verify", 32, 7)
+    dense = graphs._static_step("dense", 16, 1)
+    for rows in (3, 5):
+        lens = torch.full((rows,), 7)
+        tokens = 7 * rows
+        plan = StepPlan(write_index=torch.arange(tokens), position_ids=torch.arange(tokens)[None])
+        plan.dense = DenseSegments(
+            query_index=None, cu_seqlens=torch.cat([torch.zeros(1), lens.cumsum(0)]).int(),
+            positions=torch.arange(tokens).int(), block_tables=torch.ones(rows, 8, dtype=torch.int32),
+            score_starts=torch.zeros(rows, dtype=torch.int32), history_lens=torch.zeros(rows, dtype=torch.long),
+            num_candidates=16, max_query_len=7, max_context=32,
+        )
+        graphs._fill("verify", verify, torch.zeros(tokens, dtype=torch.long), plan, tokens)
+        assert verify.plan.dense.live_segments.tolist() == [rows]
+        one = StepPlan(write_index=torch.arange(rows), position_ids=torch.arange(rows)[None])
+        one.dense = DenseSegments(
+            query_index=None, cu_seqlens=torch.arange(rows + 1).int(), positions=torch.arange(rows).int(),
+            block_tables=torch.ones(rows, 8, dtype=torch.int32), score_starts=None,
+            history_lens=torch.zeros(rows, dtype=torch.long), num_candidates=0, max_query_len=1, max_context=32,
+        )
+        graphs._fill("dense", dense, torch.zeros(rows, dtype=torch.long), one, rows)
+        assert dense.plan.dense.live_segments.tolist() == [rows]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -129,21 +129,27 @@ def test_every_key_split_reads_a_share_of_its_own_segments_keys(scored, partial_
     assert torch.isfinite(partial_lse[0]).all()
 
 
-def test_key_splits_sized_for_fewer_segments_than_the_grid_holds(partial_lse):
-    """`split_segments`: a grid with padding segments splits each real segment's keys as a grid of that many would."""
+def test_key_splits_sized_on_the_device_for_the_live_segments(partial_lse):
+    """`live_segments`: a graph's grid with padding segments holds the splits one segment would use, and each real
+    segment uses as many as a grid of the live segments would choose; the unused ones store lse -inf only."""
     generator = torch.Generator().manual_seed(4)
     # Two verify blocks and 38 empty padding segments, as a tail's verify graph replays them.
-    inputs = dense_inputs([7, 7] + [0] * 38, [1200, 1000] + [7] * 38, 4, 3, generator)
+    inputs = dense_inputs([7, 7] + [0] * 38, [2000, 1800] + [7] * 38, 4, 3, generator)
     starts = torch.tensor([0, 0] + [-1] * 38, device=DEVICE)
     expected = reference.paged_dense_attention(*inputs, 0.3, starts)
-    for split_segments in (None, 2):
+    for live in (None, 2, 40):
+        live_segments = None if live is None else torch.tensor([live], dtype=torch.int32, device=DEVICE)
         actual = triton_backend.paged_dense_attention(*inputs, 0.3, starts, max_query_len=7, max_context=2048,
-                                                      split_segments=split_segments)
+                                                      live_segments=live_segments)
         torch.testing.assert_close(actual[0], expected[0], **TOL)
-        torch.testing.assert_close(actual[2][..., :1200], expected[2], **TOL)
-    # 40 segments x 2 KV heads: 80 programs, 528 / 80 -> 4 splits; sized for 2 segments, 4 programs: 8 splits (the
-    # most for 2,048 keys of 256 each).
-    assert [lse.shape[0] for lse in partial_lse] == [4, 8]
+        torch.testing.assert_close(actual[1], expected[1], **TOL)
+        torch.testing.assert_close(actual[2][..., :2000], expected[2], **TOL)
+    # 40 segments x 2 KV heads: 80 programs, 528 / 80 -> 4 splits. With `live_segments` the grid holds 8 (the most
+    # for 2,048 keys of 256 each); 2 live segments (4 programs) use all 8, 40 live segments 4 of them.
+    assert [lse.shape[0] for lse in partial_lse] == [4, 8, 8]
+    used = [torch.isfinite(lse).all(dim=(1, 2)).tolist() for lse in partial_lse[1:]]
+    assert used == [[True] * 8, [True] * 4 + [False] * 4]
+    assert torch.isneginf(partial_lse[2][4:]).all()
 
 
 @pytest.mark.parametrize("tiling", [
@@ -243,7 +249,10 @@ def test_merge_of_split_results_matches_reference(dtype):
     partial[:, 2, 3] = 0.0  # what the kernels store for an empty split
     partial, partial_lse = partial.to(DEVICE), partial_lse.to(DEVICE)
     expected = reference.merge_splits(partial, partial_lse, dtype)
-    actual = triton_backend.merge_splits(partial, partial_lse, dtype)
+    # A split past the ones a CUDA graph's replay uses stores no result at all: whatever its buffer holds is not read.
+    unwritten = partial.clone()
+    unwritten[1, 0] = float("nan")
+    actual = triton_backend.merge_splits(unwritten, partial_lse, dtype)
     assert actual[0].dtype == dtype
     torch.testing.assert_close(actual[0], expected[0], **(TOL if dtype == torch.float32 else {}))
     torch.testing.assert_close(actual[1], expected[1], **TOL)

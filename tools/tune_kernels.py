@@ -1,7 +1,7 @@
 """Time launch settings of the Triton attention kernels at the benchmark shapes (GPU only).
 
     python tools/tune_kernels.py [--json PATH] [--chosen-only] [--points shape:B:S,...] [--dtype float32]
-        [--precisions ieee,tf32x3] [--auto-splits] [--kernels dense,verify,...] [--min-budget 192]
+        [--precisions ieee,tf32x3] [--auto-splits] [--kernels dense,verify,...] [--min-budget 192] [--live N]
 
 For the SmolLM2-135M shape (9 query heads, 3 KV heads, head dim 64) at B=64, S=4K and 7.7K, and the
 Qwen3-1.7B shape (16/8 heads, head dim 128) at B=64, S=8K (or the `--points` given), it times one layer of dense
@@ -51,14 +51,21 @@ BLOCK = 7  # verify queries per request (draft_len 6 + 1)
 def tune_point(
     name: str, batch: int, seq: int, bandwidth: float, generator: torch.Generator, chosen_only: bool = False,
     dtype: torch.dtype = torch.bfloat16, precisions: tuple[str | None, ...] = (None,), auto_splits: bool = False,
-    only: tuple[str, ...] | None = None, min_budget: int = 0,
+    only: tuple[str, ...] | None = None, min_budget: int = 0, live: int | None = None,
 ) -> dict:
     shape = SHAPES[name]
     key_pool, value_pool, tables, heads, kv_heads, dim = _paged_setup(batch, seq, 16, dtype, generator, shape)
     scale = dim**-0.5
-    kv_bytes = 2 * batch * seq * kv_heads * dim * key_pool.element_size()
+    kv_bytes = 2 * (live or batch) * seq * kv_heads * dim * key_pool.element_size()
     budget = min(seq - BLOCK, max(min_budget, math.ceil(0.05 * seq)))
     cu1, pos1, cuv, posv, starts, lens, tails, pos_s = step_metadata(batch, seq, BLOCK, budget)
+    live_segments = None
+    if live is not None:  # a graph of `batch` rows replayed for `live`: the rest padding, as `DecodeGraphs` fills it
+        live_segments = torch.tensor([live], dtype=torch.int32, device="cuda")
+        pos1[live:] = 0
+        posv[live * BLOCK:] = 0
+        cuv[live + 1:] = batch * BLOCK  # the unused token slots form one padding segment
+        starts[live:] = -1
     q1 = torch.randn(batch, heads, dim, device="cuda", dtype=dtype, generator=generator)
     qv = torch.randn(batch * BLOCK, heads, dim, device="cuda", dtype=dtype, generator=generator)
     view = torch.stack([
@@ -66,13 +73,18 @@ def tune_point(
         for _ in range(batch * kv_heads)
     ]).view(batch, kv_heads, budget).int()
 
+    # Split option "live": the count chosen on the device for `live` rows of the grid (`live_segments`).
+    def split_args(splits):
+        return {"live_segments": live_segments} if splits == "live" else {"num_splits": splits}
+
+    counts = (None, "live") if live is not None else (None, 1, 2, 4, 8, 16)
     kernels = {
         "dense": (lambda splits: triton_backend.paged_dense_attention(
             q1, key_pool, value_pool, tables, cu1, pos1, scale, max_query_len=1, max_context=seq,
-            num_splits=splits)[0], (None, 1, 2, 4, 8, 16), kv_bytes),
+            **split_args(splits))[0], counts, kv_bytes),
         "verify": (lambda splits: triton_backend.paged_dense_attention(
             qv, key_pool, value_pool, tables, cuv, posv, scale, starts, max_query_len=BLOCK, max_context=seq,
-            max_scored_queries=BLOCK, num_splits=splits)[2], (None, 1, 2, 4, 8, 16), kv_bytes),
+            max_scored_queries=BLOCK, **split_args(splits))[2], counts, kv_bytes),
         # The same block without scores: what the score material costs the verify.
         "verify-unscored": (lambda splits: triton_backend.paged_dense_attention(
             qv, key_pool, value_pool, tables, cuv, posv, scale, max_query_len=BLOCK, max_context=seq,
@@ -101,7 +113,7 @@ def tune_point(
         expected = references[kernel]().float()
         rows = []
         launches = [default] + ([] if chosen_only else [v for v in LAUNCHES if v != default])
-        splits_tried = (None,) if auto_splits else split_options
+        splits_tried = (None,) if auto_splits and live is None else split_options
         for precision, launch, splits in itertools.product(precisions, launches, splits_tried):
             triton_backend.launch_settings = lambda head_dim, stores_logits=False, element_size=2, launch=launch: launch
             if precision is not None:
@@ -125,8 +137,11 @@ def tune_point(
         mine = [r for r in rows if r.items() >= default.items() and r["precision"] == precision_now]
         chosen_row = next((r for r in mine if r["splits"] is None), None)
         unsplit = next((r for r in mine if r["splits"] == 1), None)
-        print(f"{name} B={batch} S={seq} {dtype} {kernel:>6}: floor {bytes_read / bandwidth * 1e3:.3f} ms, chosen "
-              f"{_ms(chosen_row)}, unsplit {_ms(unsplit)}, best {best['ms']:.3f} ms with {best}")
+        live_row = next((r for r in mine if r["splits"] == "live"), None)
+        rows_note = f" ({live} live)" if live is not None else ""
+        print(f"{name} B={batch}{rows_note} S={seq} {dtype} {kernel:>6}: floor {bytes_read / bandwidth * 1e3:.3f} ms, "
+              f"chosen {_ms(chosen_row)}, unsplit {_ms(unsplit)}, live-sized {_ms(live_row)}, best {best['ms']:.3f} ms "
+              f"with {best}")
         for precision in precisions if len(precisions) > 1 else ():
             top = min((r for r in rows if r["precision"] == precision), key=lambda r: r["ms"])
             print(f"    best with {precision}: {top}")
@@ -163,6 +178,9 @@ def main() -> None:
     parser.add_argument("--auto-splits", action="store_true",
                         help="time only the key-split count the kernel chooses, not every count")
     parser.add_argument("--kernels", default=None, help="a subset of dense,verify,verify-unscored,sparse")
+    parser.add_argument("--live", type=int, default=None,
+                        help="only this many of each point's B rows are real, the rest padding (a CUDA graph replayed "
+                        "for a tail): dense and verify with the split count sized for all B rows and for the live ones")
     parser.add_argument("--min-budget", type=int, default=0,
                         help="sparse decode reads at least this many view keys (the engine's default is 192)")
     args = parser.parse_args()
@@ -176,7 +194,7 @@ def main() -> None:
         results["points"].append(tune_point(name, batch, seq, bandwidth, generator, args.chosen_only,
                                             getattr(torch, args.dtype), precisions, args.auto_splits,
                                             tuple(args.kernels.split(",")) if args.kernels else None,
-                                            args.min_budget))
+                                            args.min_budget, args.live))
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as handle:

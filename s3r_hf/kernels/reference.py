@@ -60,7 +60,7 @@ def paged_dense_attention(
     max_context: int | None = None,
     max_scored_queries: int | None = None,
     num_splits: int | None = None,
-    split_segments: int | None = None,
+    live_segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Dense causal attention of packed varlen queries over paged K/V (prefill chunks and verify blocks).
 
@@ -77,8 +77,8 @@ def paged_dense_attention(
             saves reading them back from the device. `scores` is `max_context` wide when given.
         max_scored_queries: the most scored queries of any segment, when known (sizes a kernel's scratch).
         num_splits: how many programs a kernel splits each row's keys over (ignored here).
-        split_segments: how many segments a kernel sizes its key splits for, when not all of them (a CUDA graph
-            captured with padding segments for replays at other row counts; ignored here).
+        live_segments: `[1]` int32, how many segments hold real queries, the rest padding, when a kernel sizes its
+            key splits for those on the device (a CUDA graph replayed at other row counts; ignored here).
 
     Returns:
         `out` `[N, Hq, D]`, `lse` `[N, Hq]` (natural-log normaliser of each query's softmax), and, when

@@ -262,7 +262,7 @@ def _out_dtype(query: torch.Tensor, splits: int) -> torch.dtype:
 
 @triton.jit(do_not_specialize=["stride_bts", "stride_ls", "num_q_blocks"])
 def _dense_varlen_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, pos_ptr, out_ptr, lse_ptr, logit_ptr, score_start_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, pos_ptr, out_ptr, lse_ptr, logit_ptr, score_start_ptr, live_ptr,
     stride_qn, stride_qh,
     stride_kp, stride_ko, stride_kh,
     stride_bts,
@@ -273,6 +273,7 @@ def _dense_varlen_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     STORE_LOGITS: tl.constexpr, ONE_Q_BLOCK: tl.constexpr,
+    COUNT_LIVE: tl.constexpr, TARGET_PROGRAMS: tl.constexpr, MIN_KEYS: tl.constexpr,
 ):
     segment = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -290,17 +291,29 @@ def _dense_varlen_kernel(
     seg_start = tl.load(cu_ptr + segment)
     seg_end = tl.load(cu_ptr + segment + 1)
     first = seg_start + q_block * BLOCK_M
-    if first < seg_end:
-        rows = tl.arange(0, ROWS)
+    rows = tl.arange(0, ROWS)
+    query = first + rows // GROUP
+    row_ok = (rows < BLOCK_M * GROUP) & (query < seg_end)
+    heads = kv_head * GROUP + rows % GROUP
+    q_pos = tl.load(pos_ptr + query, mask=row_ok, other=-1)
+    context = tl.max(q_pos, 0) + 1
+    if COUNT_LIVE:
+        # A CUDA graph replayed with fewer real segments than it was captured for: the grid holds the splits one
+        # segment would use, and each block uses as many of them as `_num_splits` would choose for the segments
+        # present (read on the device) and its own keys. The splits past that store an empty result and stop.
+        programs = tl.maximum(tl.load(live_ptr) * tl.num_programs(1) * num_q_blocks, 1)
+        wanted = tl.minimum(tl.cdiv(TARGET_PROGRAMS, programs), tl.cdiv(context, MIN_KEYS))
+        power = 1  # `wanted` rounded down to a power of two, as on the host
+        for _ in tl.static_range(8):
+            power = tl.where(power * 2 <= wanted, power * 2, power)
+        splits = tl.minimum(splits, power)
+        if split >= splits:
+            tl.store(lse_ptr + split * stride_ls + query * stride_ln + heads, float("-inf"), mask=row_ok)
+    if first < seg_end and split < splits:
         dims = tl.arange(0, BLOCK_D)
-        query = first + rows // GROUP
-        row_ok = (rows < BLOCK_M * GROUP) & (query < seg_end)
         dim_ok = dims < HEAD_DIM
-        heads = kv_head * GROUP + rows % GROUP
         q_offsets = query[:, None] * stride_qn + heads[:, None] * stride_qh + dims[None, :]
         q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        q_pos = tl.load(pos_ptr + query, mask=row_ok, other=-1)
-        context = tl.max(q_pos, 0) + 1
         # The block's own keys are shared out among the splits in whole tiles, not the longest context the grid was
         # sized for (a CUDA graph's), which would leave the later splits without work at shorter contexts. Each
         # split starts on a tile boundary, so the compiler may vectorize the stored logits and the block-table reads.
@@ -361,12 +374,15 @@ def paged_dense_attention(
     max_context: int | None = None,
     max_scored_queries: int | None = None,
     num_splits: int | None = None,
-    split_segments: int | None = None,
+    live_segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Triton version of `reference.paged_dense_attention` (same arguments and results).
 
     `num_splits` fixes how many programs share a query block's keys (CUDA-graph steps need a fixed grid); by
-    default it is chosen from the shape.
+    default it is chosen from the shape. With `live_segments` (a CUDA graph's `[1]` int32 count of the segments that
+    hold real queries, the rest padding) the grid holds the splits that one segment would use, and the kernel uses
+    as many of them as suit the segments present, so a graph replayed for fewer rows than it was captured for
+    spreads each row's keys over more programs.
     """
     num_queries, num_heads, head_dim = query.shape
     num_kv_heads = key_pool.shape[2]
@@ -402,15 +418,15 @@ def paged_dense_attention(
     num_q_blocks = triton.cdiv(max_len, block_m)
     target = _TARGET_PROGRAMS if logits is None else _TARGET_PROGRAMS_STORING_LOGITS
     splits = num_splits or _num_splits(
-        (split_segments or num_segments) * num_kv_heads * num_q_blocks, max_context, min_keys=_MIN_KEYS_PER_SPLIT,
-        target=target,
+        (1 if live_segments is not None else num_segments) * num_kv_heads * num_q_blocks, max_context,
+        min_keys=_MIN_KEYS_PER_SPLIT, target=target,
     )
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     grid = (num_segments, num_kv_heads, num_q_blocks * splits)
     _dense_varlen_kernel[grid](
         query, key_pool, value_pool, block_tables, cu, positions, out, lse, scratch,
-        score_starts if score_starts is not None else cu,
+        score_starts if score_starts is not None else cu, live_segments if live_segments is not None else cu,
         query.stride(0), query.stride(1),
         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
         block_tables.stride(0),
@@ -423,6 +439,7 @@ def paged_dense_attention(
         PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
         **settings, STORE_LOGITS=logits is not None, ONE_Q_BLOCK=num_q_blocks == 1,
+        COUNT_LIVE=live_segments is not None and splits > 1, TARGET_PROGRAMS=target, MIN_KEYS=_MIN_KEYS_PER_SPLIT,
     )
     out, lse = merge_splits(out, lse, query.dtype)
     if score_starts is None:
@@ -609,8 +626,10 @@ def _merge_splits_kernel(
         part_lse = tl.load(part_lse_ptr + split * stride_qs + query * stride_qn + heads, mask=head_ok,
                            other=float("-inf"))
         weight = tl.exp(part_lse - top)
+        # A split that saw no key of a row may have stored no result for it (a graph's unused splits): not read.
+        seen = part_lse > float("-inf")
         part = tl.load(part_ptr + split * stride_ps + query * stride_pn + heads[:, None] * stride_ph + dims[None, :],
-                       mask=mask, other=0.0)
+                       mask=mask & seen[:, None], other=0.0)
         total += weight
         acc += weight[:, None] * part
     merged = acc / tl.maximum(total, 1e-30)[:, None]
