@@ -90,8 +90,8 @@ def partial_lse(monkeypatch):
     """The per-split LSEs `[splits, queries, heads]` of every split launch, as `merge_splits` receives them."""
     seen = []
     merge = triton_backend.merge_splits
-    monkeypatch.setattr(triton_backend, "merge_splits", lambda out, lse, dtype: seen.append(lse) or merge(
-        out, lse, dtype))
+    monkeypatch.setattr(triton_backend, "merge_splits", lambda out, lse, dtype, *live: seen.append(lse) or merge(
+        out, lse, dtype, *live))
     return seen
 
 

@@ -260,6 +260,17 @@ def _out_dtype(query: torch.Tensor, splits: int) -> torch.dtype:
     return query.dtype if splits == 1 else torch.float32
 
 
+@triton.jit
+def _live_splits(live_ptr, programs_per_segment, keys, TARGET_PROGRAMS: tl.constexpr, MIN_KEYS: tl.constexpr):
+    """`_num_splits` on the device, for the live segments `live_ptr` holds."""
+    programs = tl.maximum(tl.load(live_ptr) * programs_per_segment, 1)
+    wanted = tl.minimum(tl.cdiv(TARGET_PROGRAMS, programs), tl.cdiv(keys, MIN_KEYS))
+    power = 1  # rounded down to a power of two, as on the host
+    for _ in tl.static_range(10):
+        power = tl.where(power * 2 <= wanted, power * 2, power)
+    return power
+
+
 @triton.jit(do_not_specialize=["stride_bts", "stride_ls", "num_q_blocks"])
 def _dense_varlen_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, pos_ptr, out_ptr, lse_ptr, logit_ptr, score_start_ptr, live_ptr,
@@ -301,12 +312,8 @@ def _dense_varlen_kernel(
         # A CUDA graph replayed with fewer real segments than it was captured for: the grid holds the splits one
         # segment would use, and each block uses as many of them as `_num_splits` would choose for the segments
         # present (read on the device) and its own keys. The splits past that store an empty result and stop.
-        programs = tl.maximum(tl.load(live_ptr) * tl.num_programs(1) * num_q_blocks, 1)
-        wanted = tl.minimum(tl.cdiv(TARGET_PROGRAMS, programs), tl.cdiv(context, MIN_KEYS))
-        power = 1  # `wanted` rounded down to a power of two, as on the host
-        for _ in tl.static_range(8):
-            power = tl.where(power * 2 <= wanted, power * 2, power)
-        splits = tl.minimum(splits, power)
+        splits = tl.minimum(
+            splits, _live_splits(live_ptr, tl.num_programs(1) * num_q_blocks, context, TARGET_PROGRAMS, MIN_KEYS))
         if split >= splits:
             tl.store(lse_ptr + split * stride_ls + query * stride_ln + heads, float("-inf"), mask=row_ok)
     if first < seg_end and split < splits:
@@ -417,10 +424,13 @@ def paged_dense_attention(
     block_m, rows, settings = query_tiling(max_len, group, head_dim, logits is not None, query.element_size())
     num_q_blocks = triton.cdiv(max_len, block_m)
     target = _TARGET_PROGRAMS if logits is None else _TARGET_PROGRAMS_STORING_LOGITS
-    splits = num_splits or _num_splits(
-        (1 if live_segments is not None else num_segments) * num_kv_heads * num_q_blocks, max_context,
-        min_keys=_MIN_KEYS_PER_SPLIT, target=target,
-    )
+    programs = num_kv_heads * num_q_blocks  # per segment
+    splits = num_splits or _num_splits(num_segments * programs, max_context, _MIN_KEYS_PER_SPLIT, target=target)
+    if live_segments is not None and num_splits is None:
+        # Room for what a replay of fewer rows would use, up to the count of a quarter of the grid's rows (a graph
+        # serves rows down to a quarter of its bucket, `cuda_graphs.REUSE_FACTOR`): unused splits cost little, but
+        # a full replay pays for each of them.
+        splits = min(_num_splits(programs, max_context, _MIN_KEYS_PER_SPLIT, target=target), 4 * splits)
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     grid = (num_segments, num_kv_heads, num_q_blocks * splits)
@@ -441,7 +451,8 @@ def paged_dense_attention(
         **settings, STORE_LOGITS=logits is not None, ONE_Q_BLOCK=num_q_blocks == 1,
         COUNT_LIVE=live_segments is not None and splits > 1, TARGET_PROGRAMS=target, MIN_KEYS=_MIN_KEYS_PER_SPLIT,
     )
-    out, lse = merge_splits(out, lse, query.dtype)
+    live = None if live_segments is None else (live_segments, programs, target)
+    out, lse = merge_splits(out, lse, query.dtype, live)
     if score_starts is None:
         return out, lse, None
     if logits is not None:
@@ -599,17 +610,20 @@ def _reduce_stored_logits(logits, lse, cu_seqlens, positions, score_starts, grou
     return scores
 
 
-@triton.jit(do_not_specialize=["splits", "stride_qs"])
+@triton.jit(do_not_specialize=["splits", "programs_per_segment", "stride_qs"])
 def _merge_splits_kernel(
-    part_ptr, part_lse_ptr, out_ptr, lse_ptr,
-    splits,
+    part_ptr, part_lse_ptr, out_ptr, lse_ptr, live_ptr,
+    splits, programs_per_segment,
     stride_ps, stride_pn, stride_ph,
     stride_qs, stride_qn,
     stride_on, stride_oh,
     stride_ln,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    COUNT_LIVE: tl.constexpr, TARGET_PROGRAMS: tl.constexpr,
 ):
     query = tl.program_id(0)
+    if COUNT_LIVE:  # the most splits the attention kernel used for the live segments (fewer at short contexts)
+        splits = tl.minimum(splits, _live_splits(live_ptr, programs_per_segment, splits, TARGET_PROGRAMS, 1))
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     head_ok = heads < NUM_HEADS
@@ -639,24 +653,30 @@ def _merge_splits_kernel(
 
 
 def merge_splits(
-    partial: torch.Tensor, partial_lse: torch.Tensor, dtype: torch.dtype
+    partial: torch.Tensor, partial_lse: torch.Tensor, dtype: torch.dtype,
+    live: tuple[torch.Tensor, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `reference.merge_splits`: one launch instead of a dozen small torch kernels, so splitting a
-    short key range over more programs pays even at rollout batch sizes."""
+    short key range over more programs pays even at rollout batch sizes.
+
+    `live`: `(live_segments, programs per segment, target programs)` of a dense launch that chose its split count
+    on the device; only the splits it can have used are read.
+    """
     splits, num_queries, num_heads, head_dim = partial.shape
     if splits == 1:
         return partial[0].to(dtype), partial_lse[0]
     out = torch.empty(num_queries, num_heads, head_dim, dtype=dtype, device=partial.device)
     lse = torch.empty(num_queries, num_heads, dtype=torch.float32, device=partial.device)
+    live_segments, programs, target = live if live is not None else (partial_lse, 1, _TARGET_PROGRAMS)
     _merge_splits_kernel[(num_queries,)](
-        partial, partial_lse, out, lse,
-        splits,
+        partial, partial_lse, out, lse, live_segments,
+        splits, programs,
         partial.stride(0), partial.stride(1), partial.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
         lse.stride(0),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=triton.next_power_of_2(head_dim), COUNT_LIVE=live is not None, TARGET_PROGRAMS=target,
     )
     return out, lse
 
