@@ -129,9 +129,11 @@ def test_every_key_split_reads_a_share_of_its_own_segments_keys(scored, partial_
     assert torch.isfinite(partial_lse[0]).all()
 
 
+@pytest.mark.usefixtures("score_source")
 def test_key_splits_sized_on_the_device_for_the_live_segments(partial_lse):
     """`live_segments`: a graph's grid with padding segments holds the splits one segment would use, and each real
-    segment uses as many as a grid of the live segments would choose; the unused ones store lse -inf only."""
+    segment uses as many as a grid of the live segments would choose; the unused ones store lse -inf only. Every
+    scored key's logit is still stored (`score_source`: a NaN-filled scratch shows one that is not)."""
     generator = torch.Generator().manual_seed(4)
     # Two verify blocks and 38 empty padding segments, as a tail's verify graph replays them.
     inputs = dense_inputs([7, 7] + [0] * 38, [2000, 1800] + [7] * 38, 4, 3, generator)

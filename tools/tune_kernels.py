@@ -2,6 +2,7 @@
 
     python tools/tune_kernels.py [--json PATH] [--chosen-only] [--points shape:B:S,...] [--dtype float32]
         [--precisions ieee,tf32x3] [--auto-splits] [--kernels dense,verify,...] [--min-budget 192] [--live N]
+        [--graph-context N]
 
 For the SmolLM2-135M shape (9 query heads, 3 KV heads, head dim 64) at B=64, S=4K and 7.7K, and the
 Qwen3-1.7B shape (16/8 heads, head dim 128) at B=64, S=8K (or the `--points` given), it times one layer of dense
@@ -52,6 +53,7 @@ def tune_point(
     name: str, batch: int, seq: int, bandwidth: float, generator: torch.Generator, chosen_only: bool = False,
     dtype: torch.dtype = torch.bfloat16, precisions: tuple[str | None, ...] = (None,), auto_splits: bool = False,
     only: tuple[str, ...] | None = None, min_budget: int = 0, live: int | None = None,
+    graph_context: int | None = None,
 ) -> dict:
     shape = SHAPES[name]
     key_pool, value_pool, tables, heads, kv_heads, dim = _paged_setup(batch, seq, 16, dtype, generator, shape)
@@ -59,6 +61,7 @@ def tune_point(
     kv_bytes = 2 * (live or batch) * seq * kv_heads * dim * key_pool.element_size()
     budget = min(seq - BLOCK, max(min_budget, math.ceil(0.05 * seq)))
     cu1, pos1, cuv, posv, starts, lens, tails, pos_s = step_metadata(batch, seq, BLOCK, budget)
+    graph_context = max(graph_context or seq, seq)  # a CUDA graph's grid serves contexts up to its `max_context`
     live_segments = None
     if live is not None:  # a graph of `batch` rows replayed for `live`: the rest padding, as `DecodeGraphs` fills it
         live_segments = torch.tensor([live], dtype=torch.int32, device="cuda")
@@ -80,14 +83,14 @@ def tune_point(
     counts = (None, "live") if live is not None else (None, 1, 2, 4, 8, 16)
     kernels = {
         "dense": (lambda splits: triton_backend.paged_dense_attention(
-            q1, key_pool, value_pool, tables, cu1, pos1, scale, max_query_len=1, max_context=seq,
+            q1, key_pool, value_pool, tables, cu1, pos1, scale, max_query_len=1, max_context=graph_context,
             **split_args(splits))[0], counts, kv_bytes),
         "verify": (lambda splits: triton_backend.paged_dense_attention(
-            qv, key_pool, value_pool, tables, cuv, posv, scale, starts, max_query_len=BLOCK, max_context=seq,
-            max_scored_queries=BLOCK, **split_args(splits))[2], counts, kv_bytes),
+            qv, key_pool, value_pool, tables, cuv, posv, scale, starts, max_query_len=BLOCK, max_context=graph_context,
+            max_scored_queries=BLOCK, **split_args(splits))[2][..., :seq], counts, kv_bytes),
         # The same block without scores: what the score material costs the verify.
         "verify-unscored": (lambda splits: triton_backend.paged_dense_attention(
-            qv, key_pool, value_pool, tables, cuv, posv, scale, max_query_len=BLOCK, max_context=seq,
+            qv, key_pool, value_pool, tables, cuv, posv, scale, max_query_len=BLOCK, max_context=graph_context,
             num_splits=splits)[0], (None, 1, 2, 4, 8), kv_bytes),
         "sparse": (lambda splits: triton_backend.paged_sparse_attention(
             q1, key_pool, value_pool, tables, view, lens, tails, pos_s, scale, max_keys=budget + 3,
@@ -181,6 +184,9 @@ def main() -> None:
     parser.add_argument("--live", type=int, default=None,
                         help="only this many of each point's B rows are real, the rest padding (a CUDA graph replayed "
                         "for a tail): dense and verify with the split count sized for all B rows and for the live ones")
+    parser.add_argument("--graph-context", type=int, default=None,
+                        help="the longest context the kernels' grids are sized for, as a CUDA graph's (the engine's "
+                        "are 1.25x a call's longest request); default: S")
     parser.add_argument("--min-budget", type=int, default=0,
                         help="sparse decode reads at least this many view keys (the engine's default is 192)")
     args = parser.parse_args()
@@ -194,7 +200,7 @@ def main() -> None:
         results["points"].append(tune_point(name, batch, seq, bandwidth, generator, args.chosen_only,
                                             getattr(torch, args.dtype), precisions, args.auto_splits,
                                             tuple(args.kernels.split(",")) if args.kernels else None,
-                                            args.min_budget, args.live))
+                                            args.min_budget, args.live, args.graph_context))
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as handle:
