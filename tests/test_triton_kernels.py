@@ -139,18 +139,19 @@ def test_key_splits_sized_on_the_device_for_the_live_segments(partial_lse):
     inputs = dense_inputs([7, 7] + [0] * 38, [2000, 1800] + [7] * 38, 4, 3, generator)
     starts = torch.tensor([0, 0] + [-1] * 38, device=DEVICE)
     expected = reference.paged_dense_attention(*inputs, 0.3, starts)
-    for live in (None, 2, 40):
+    for live, num_splits in ((None, None), (2, None), (40, None), (2, 3)):
         live_segments = None if live is None else torch.tensor([live], dtype=torch.int32, device=DEVICE)
         actual = triton_backend.paged_dense_attention(*inputs, 0.3, starts, max_query_len=7, max_context=2048,
-                                                      live_segments=live_segments)
+                                                      live_segments=live_segments, num_splits=num_splits)
         torch.testing.assert_close(actual[0], expected[0], **TOL)
         torch.testing.assert_close(actual[1], expected[1], **TOL)
         torch.testing.assert_close(actual[2][..., :2000], expected[2], **TOL)
     # 40 segments x 2 KV heads: 80 programs, 528 / 80 -> 4 splits. With `live_segments` the grid holds 8 (the most
-    # for 2,048 keys of 256 each); 2 live segments (4 programs) use all 8, 40 live segments 4 of them.
-    assert [lse.shape[0] for lse in partial_lse] == [4, 8, 8]
+    # for 2,048 keys of 256 each); 2 live segments (4 programs) use all 8, 40 live segments 4 of them. A fixed
+    # `num_splits` (3, not a power of two) is used whole.
+    assert [lse.shape[0] for lse in partial_lse] == [4, 8, 8, 3]
     used = [torch.isfinite(lse).all(dim=(1, 2)).tolist() for lse in partial_lse[1:]]
-    assert used == [[True] * 8, [True] * 4 + [False] * 4]
+    assert used == [[True] * 8, [True] * 4 + [False] * 4, [True] * 3]
     assert torch.isneginf(partial_lse[2][4:]).all()
 
 

@@ -63,6 +63,9 @@ def tune_point(
     cu1, pos1, cuv, posv, starts, lens, tails, pos_s = step_metadata(batch, seq, BLOCK, budget)
     graph_context = max(graph_context or seq, seq)  # a CUDA graph's grid serves contexts up to its `max_context`
     live_segments = None
+    # The verify blocks' queries; with `live`, those past them are one padding segment, of which a graph computes
+    # only the first query block (rows nothing reads).
+    real_queries = (live or batch) * BLOCK
     if live is not None:  # a graph of `batch` rows replayed for `live`: the rest padding, as `DecodeGraphs` fills it
         live_segments = torch.tensor([live], dtype=torch.int32, device="cuda")
         pos1[live:] = 0
@@ -91,7 +94,7 @@ def tune_point(
         # The same block without scores: what the score material costs the verify.
         "verify-unscored": (lambda splits: triton_backend.paged_dense_attention(
             qv, key_pool, value_pool, tables, cuv, posv, scale, max_query_len=BLOCK, max_context=graph_context,
-            num_splits=splits)[0], (None, 1, 2, 4, 8), kv_bytes),
+            num_splits=splits)[0][:real_queries], (None, 1, 2, 4, 8), kv_bytes),
         "sparse": (lambda splits: triton_backend.paged_sparse_attention(
             q1, key_pool, value_pool, tables, view, lens, tails, pos_s, scale, max_keys=budget + 3,
             num_splits=splits)[0], (None, 1, 2, 4, 8), kv_bytes * budget / seq),
@@ -100,7 +103,7 @@ def tune_point(
     references = {
         "dense": lambda: reference.paged_dense_attention(q1, *pools, cu1, pos1, scale)[0],
         "verify": lambda: reference.paged_dense_attention(qv, *pools, cuv, posv, scale, starts)[2],
-        "verify-unscored": lambda: reference.paged_dense_attention(qv, *pools, cuv, posv, scale)[0],
+        "verify-unscored": lambda: reference.paged_dense_attention(qv, *pools, cuv, posv, scale)[0][:real_queries],
         "sparse": lambda: reference.paged_sparse_attention(q1, *pools, view, lens, tails, pos_s, scale)[0],
     }
     results = {"model": name, "batch": batch, "seq": seq, "dtype": str(dtype), "floor_ms": kv_bytes / bandwidth * 1e3,

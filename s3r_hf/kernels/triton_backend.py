@@ -387,9 +387,9 @@ def paged_dense_attention(
 
     `num_splits` fixes how many programs share a query block's keys (CUDA-graph steps need a fixed grid); by
     default it is chosen from the shape. With `live_segments` (a CUDA graph's `[1]` int32 count of the segments that
-    hold real queries, the rest padding) the grid holds the splits that one segment would use, and the kernel uses
-    as many of them as suit the segments present, so a graph replayed for fewer rows than it was captured for
-    spreads each row's keys over more programs.
+    hold real queries, the rest padding) and no `num_splits`, the grid holds more splits than its own rows would
+    use, and the kernel uses as many of them as suit the segments present, so a graph replayed for fewer rows than
+    it was captured for spreads each row's keys over more programs.
     """
     num_queries, num_heads, head_dim = query.shape
     num_kv_heads = key_pool.shape[2]
@@ -426,11 +426,14 @@ def paged_dense_attention(
     target = _TARGET_PROGRAMS if logits is None else _TARGET_PROGRAMS_STORING_LOGITS
     programs = num_kv_heads * num_q_blocks  # per segment
     splits = num_splits or _num_splits(num_segments * programs, max_context, _MIN_KEYS_PER_SPLIT, target=target)
-    if live_segments is not None and num_splits is None:
+    # A fixed `num_splits` is used as given; the live count applies to a count the kernel chooses.
+    counts_live = live_segments is not None and num_splits is None
+    if counts_live:
         # Room for what a replay of fewer rows would use, up to the count of a quarter of the grid's rows (a graph
         # serves rows down to a quarter of its bucket, `cuda_graphs.REUSE_FACTOR`): unused splits cost little, but
         # a full replay pays for each of them.
         splits = min(_num_splits(programs, max_context, _MIN_KEYS_PER_SPLIT, target=target), 4 * splits)
+        counts_live = splits > 1
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     grid = (num_segments, num_kv_heads, num_q_blocks * splits)
@@ -449,9 +452,9 @@ def paged_dense_attention(
         PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
         **settings, STORE_LOGITS=logits is not None, ONE_Q_BLOCK=num_q_blocks == 1,
-        COUNT_LIVE=live_segments is not None and splits > 1, TARGET_PROGRAMS=target, MIN_KEYS=_MIN_KEYS_PER_SPLIT,
+        COUNT_LIVE=counts_live, TARGET_PROGRAMS=target, MIN_KEYS=_MIN_KEYS_PER_SPLIT,
     )
-    live = None if live_segments is None else (live_segments, programs, target)
+    live = (live_segments, programs, target) if counts_live else None
     out, lse = merge_splits(out, lse, query.dtype, live)
     if score_starts is None:
         return out, lse, None
