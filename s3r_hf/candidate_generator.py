@@ -70,6 +70,12 @@ class SparseSelfDraftCandidateGenerator(CandidateGenerator):
         self.recorder = VerifyScoreRecorder(block_queries=s3r_config.draft_len + 1)
         self.cache.score_recorder = self.recorder
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """Most tokens drafted per iteration (transformers' assisted loop reads it since 5.25, to size what its cache
+        records for rollback)."""
+        return self.config.draft_len
+
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Draft up to `draft_len` tokens after `input_ids` (`[1, L]`); the cache holds K/V of all but the last."""
         if input_ids.shape[0] != 1:

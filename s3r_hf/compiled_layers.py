@@ -81,9 +81,38 @@ def compiled_decoder_layers(model: PreTrainedModel, fused: FusedProjections | No
     def compiled(layer: torch.nn.Module, eager: Callable) -> Callable:
         return _owner_dispatch(model, types.MethodType(_compiled_forward(type(layer)), layer), eager)
 
+    wrapped = [module for layer in layers for module in layer.modules() if _kernel_func_wrapper(module) is not None]
     with config.patch(allow_unspec_int_on_nn_module=True, **limit), fused.installed():
-        with replaced_forwards(layers, compiled):
+        with replaced_forwards(layers, compiled), replaced_forwards(wrapped, _unwrapped_when_compiling):
             yield
+
+
+def _kernel_func_wrapper(module: torch.nn.Module) -> Callable | None:
+    """The wrapped `forward` of a module whose class the `kernels` package decorated with `use_kernelized_func`
+    (transformers' attention classes since 5.25), unless the model was kernelized (hub kernels chosen for it).
+
+    The wrapper runs the class's forward inside a `try`/`finally`, and dynamo cannot resume a frame like that after a
+    graph break: the S3R attention and the K/V write break the graph in every attention forward, so the whole
+    attention module (projections, norms, rotary) would run eagerly, uncompiled, in every compiled layer. Without
+    hub kernels the wrapper only routes its functions to their own code."""
+    funcs = module.__dict__.get("_kernel_funcs")
+    original = getattr(type(module).forward, "__wrapped__", None)
+    if not funcs or original is None or any("forward" in vars(func) for func in funcs.values()):
+        return None
+    return original
+
+
+def _unwrapped_when_compiling(module: torch.nn.Module, own: Callable) -> Callable:
+    """`module`'s forward without the `kernels` wrapper while dynamo traces it (a compiled decoder layer, which only
+    the thread holding the model runs), its own forward otherwise."""
+    original = _kernel_func_wrapper(module)
+
+    def forward(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return original(module, *args, **kwargs)
+        return own(*args, **kwargs)
+
+    return forward
 
 
 def _compiled_forward(cls: type) -> Callable:

@@ -145,3 +145,36 @@ def test_calls_of_new_shapes_settle_without_falling_back_to_eager():
         compiled.append(out.s3r_stats.compiled_graphs)
     assert counters["frames"]["ok"] == counters["frames"]["total"], "a frame fell back to eager"
     assert compiled[0] > 0 and compiled[-2:] == [0, 0], compiled
+
+
+def test_a_kernels_wrapped_forward_is_traced_unwrapped_so_its_graph_breaks_resume():
+    """transformers' attention classes (5.25 on) run their forward inside a `kernels` wrapper with a `try`/`finally`,
+    which dynamo cannot resume after a graph break (the S3R attention breaks the graph in every attention forward):
+    the whole forward would fall back to eager. While compiling, the compiled layers call the class's own forward;
+    eagerly (another thread, the model's own code) the wrapper still runs, and a kernelized module keeps it."""
+    kernels = pytest.importorskip("kernels", reason="the `kernels` package wraps forwards (transformers >= 5.25)")
+    from torch._dynamo.utils import counters
+
+    from s3r_hf.compiled_layers import _kernel_func_wrapper, _unwrapped_when_compiling
+
+    @kernels.use_kernel_forward_from_hub("S3RTestDouble")
+    def double(x):
+        return 2 * x
+
+    @kernels.use_kernelized_func(double)
+    class Doubler(torch.nn.Module):
+        def forward(self, x):
+            y = double(x)
+            torch._dynamo.graph_break()  # as the S3R attention does
+            return y + 1
+
+    module, x = Doubler(), torch.ones(3)
+    assert _kernel_func_wrapper(module) is Doubler.forward.__wrapped__
+    for forward, falls_back in ((module.forward, True), (_unwrapped_when_compiling(module, module.forward), False)):
+        torch._dynamo.reset()
+        counters.clear()
+        assert torch.equal(torch.compile(forward, backend="eager")(x), torch.full((3,), 3.0))
+        assert (counters["frames"]["ok"] < counters["frames"]["total"]) == falls_back
+    assert torch.equal(_unwrapped_when_compiling(module, module.forward)(x), module(x))  # eager: the wrapper runs
+    vars(next(iter(module._kernel_funcs.values())))["forward"] = lambda y: 2 * y  # as `kernelize` installs one
+    assert _kernel_func_wrapper(module) is None

@@ -31,6 +31,30 @@ def test_the_precision_is_set_inside_the_block_and_restored_after_it():
     assert torch.backends.cuda.matmul.allow_tf32 == before
 
 
+def test_the_precision_follows_torchs_newer_setting_too():
+    """A process that set TF32 through torch's newer `fp32_precision` API, after which torch refuses reads of the
+    legacy `allow_tf32`: the draft precision block and the float32 kernels' dot precision read and restore it."""
+    from s3r_hf.kernels.triton_backend import _dot_precision
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"
+        with pytest.raises(RuntimeError):
+            matmul.allow_tf32  # noqa: B018 - torch refuses the legacy read now
+        assert _dot_precision(torch.float32) == "tf32"
+        with float32_matmul_precision("high"):
+            assert _dot_precision(torch.float32) == "tf32"
+        assert matmul.fp32_precision == "tf32"
+        matmul.fp32_precision = "ieee"  # the legacy switch reads again, and the block sets and restores through it
+        assert _dot_precision(torch.float32) == "tf32x3"
+        with float32_matmul_precision("high"):
+            assert _dot_precision(torch.float32) == "tf32"
+        assert matmul.fp32_precision == "ieee" and _dot_precision(torch.float32) == "tf32x3"
+    finally:
+        matmul.fp32_precision = before
+
+
 @pytest.mark.parametrize("phase", [True, False], ids=["draft-phase", "host-driven-passes"])
 @pytest.mark.parametrize("forced", [False, True], ids=["as-configured", "forced-on"])
 def test_tf32_drafts_change_only_the_draft_forwards_and_greedy_stays_dense(monkeypatch, phase, forced):

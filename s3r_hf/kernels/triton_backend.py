@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from s3r_hf.matmul_precision import tf32_matmuls
+
 
 def _dot_precision(dtype: torch.dtype) -> str:
     """`input_precision` of the kernels' dot products. bf16/fp16 run on tensor cores anyway. float32 follows torch's
@@ -31,7 +33,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
     "Kernel launch settings"). Read at launch: a captured graph keeps the kernels chosen at its capture."""
     if dtype != torch.float32:
         return "tf32"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
+    return "tf32" if tf32_matmuls() else "tf32x3"
 
 
 # Triton compiles a kernel once per specialization of its integer arguments (equal to 1, divisible by 16), so an
