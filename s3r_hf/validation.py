@@ -61,10 +61,21 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
         )
     if getattr(generation_config, "num_beam_groups", 1) not in (None, 1):
         raise ValueError("S3R does not support group beam search (num_beam_groups > 1)")
-    if getattr(generation_config, "penalty_alpha", None) is not None and getattr(generation_config, "top_k", 1) > 1:
-        raise ValueError("S3R does not support contrastive search (penalty_alpha)")
-    if getattr(generation_config, "prompt_lookup_num_tokens", None) is not None:
-        raise ValueError("S3R drafts with the model itself; prompt_lookup_num_tokens cannot be combined with it")
+    # Contrastive search exactly where transformers would run it (`GenerationConfig.get_generation_mode`): otherwise
+    # `penalty_alpha` has no effect on the dense decoding either.
+    alpha, top_k = getattr(generation_config, "penalty_alpha", None), getattr(generation_config, "top_k", None)
+    if not generation_config.do_sample and alpha is not None and alpha > 0 and top_k is not None and top_k > 1:
+        raise ValueError(f"S3R does not support contrastive search (penalty_alpha={alpha} with top_k={top_k})")
+    if getattr(generation_config, "dola_layers", None) is not None:
+        raise ValueError(
+            f"S3R does not support DoLa decoding (dola_layers={generation_config.dola_layers!r}): it contrasts the "
+            "final layer's logits with earlier layers', which S3R's forwards do not compute"
+        )
+    for option in ("prompt_lookup_num_tokens", "assistant_early_exit"):
+        if getattr(generation_config, option, None) is not None:
+            raise ValueError(f"S3R drafts with the model itself; {option} cannot be combined with it")
+    if getattr(generation_config, "use_mtp", False):
+        raise ValueError("S3R drafts with the model itself; use_mtp cannot be combined with it")
     guidance = getattr(generation_config, "guidance_scale", None)
     if guidance is not None and guidance != 1:
         raise ValueError(

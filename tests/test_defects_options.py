@@ -32,6 +32,32 @@ def test_classifier_free_guidance_is_refused():
                        s3r_config=CONFIG)
 
 
+@pytest.mark.parametrize("option", [
+    dict(dola_layers="high"), dict(dola_layers=[0, 1]), dict(penalty_alpha=0.6, top_k=4), dict(assistant_early_exit=1),
+    dict(use_mtp=True), dict(prompt_lookup_num_tokens=3),
+], ids=lambda option: next(iter(option)))
+def test_decoding_methods_s3r_does_not_run_are_refused_by_name(option):
+    model, input_ids, attention_mask = _model_and_batch(71)
+    with pytest.raises(ValueError, match=next(iter(option))):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, do_sample=False, s3r_config=CONFIG,
+                       **option)
+
+
+@pytest.mark.parametrize("option", [
+    dict(penalty_alpha=0.6, top_k=None), dict(penalty_alpha=0.0, top_k=4), dict(penalty_alpha=0.6, top_k=4,
+                                                                                do_sample=True),
+], ids=["top_k-None", "alpha-0", "sampled"])
+def test_penalty_alpha_without_contrastive_search_decodes_as_dense_does(option):
+    """transformers runs contrastive search only for greedy decoding with penalty_alpha > 0 and top_k > 1; otherwise
+    the option changes nothing, and S3R accepts it as dense decoding does."""
+    model, input_ids, attention_mask = _model_and_batch(72)
+    kwargs = {"attention_mask": attention_mask, "max_new_tokens": 6, "do_sample": False, **option}
+    if kwargs["do_sample"]:
+        kwargs["top_k"] = 1  # a point mass: exactness means token identity
+    dense = model.generate(input_ids, **kwargs)
+    assert torch.equal(model.generate(input_ids, s3r_config=CONFIG, **kwargs), dense)
+
+
 class SideModelProcessor(LogitsProcessor):
     """Adds the scores of a model of its own (as classifier-free guidance does)."""
 
