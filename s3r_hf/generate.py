@@ -91,7 +91,8 @@ def generate(
     attention_mask = model_kwargs.get("attention_mask")
     prompts = prompt_rows(input_ids, attention_mask)
     padded_len = input_ids.shape[1]
-    max_new = generation_config.max_length - padded_len
+    eos_ids, max_length = _native_stops(stopping_criteria, generation_config)
+    max_new = max_length - padded_len
     check_context_window(model, prompts, max_new)
     if config.fused_layers:
         check_fusable(model)  # before a KV pool is allocated or a request admitted
@@ -100,11 +101,16 @@ def generate(
     greedy = not generation_config.do_sample
     generator, draft_generator = call_generators(call_seed(model, config), device)
 
-    eos = generation_config._eos_token_tensor
-    eos_ids = set(eos.flatten().tolist()) if eos is not None else set()
     custom_criteria = StoppingCriteriaList(
         c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))
     )
+    if len(custom_criteria) > 0 and not any(hasattr(c, "eos_token_id") for c in stopping_criteria):
+        # Dense `generate` pads a stopped row only when a criterion stops on EOS; without one it keeps decoding
+        # the rows a criterion stopped until every row has stopped. S3R stops them where the criterion does.
+        raise ValueError(
+            "S3R with stopping criteria needs an EOS token (generation_config.eos_token_id): without one, generate "
+            "keeps decoding a row after a criterion stops it, which S3R does not reproduce"
+        )
     output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
 
     requests = []
@@ -213,6 +219,16 @@ def _kept_policy(model: PreTrainedModel, config: S3RConfig, mode: str) -> DraftL
     """Exact S3R with adaptive draft lengths continues from the costs and acceptance earlier calls measured on this
     model (`runtime_state.py`); other modes use the engine's own rule."""
     return adaptive_policy(model, config) if mode == "s3r" and config.adaptive else None
+
+
+def _native_stops(stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig) -> tuple[set[int], int]:
+    """The EOS tokens and the max length the engine stops rows on itself: those of the call's `EosTokenCriteria` and
+    `MaxLengthCriteria`. transformers builds them from the generation config, and one of the same type that the
+    caller passes in `stopping_criteria` replaces its own, so these, not the config, say where dense decoding stops."""
+    lengths = [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
+    eos = [torch.as_tensor(c.eos_token_id).flatten() for c in stopping_criteria if isinstance(c, EosTokenCriteria)]
+    eos_ids = set(torch.cat(eos).tolist()) if eos else set()
+    return eos_ids, min(lengths) if lengths else generation_config.max_length
 
 
 def _pad_token_id(generation_config: GenerationConfig) -> int:

@@ -102,3 +102,35 @@ def test_criteria_stop_rows_exactly_under_kv_pressure(monkeypatch):
     assert out.s3r_stats.offload_episodes > 0, "the pool was meant to run short"
     assert any(status is RequestStatus.PAUSED for _, _, status, _ in stopped), "a paused row was meant to be stopped"
     assert any(committed > step for _, step, _, committed in stopped), "a row was meant to run ahead of its stop"
+
+
+@pytest.mark.parametrize("own", ["eos", "max_length", "both"])
+def test_a_callers_eos_or_max_length_criterion_replaces_the_configs_as_in_dense(own):
+    """transformers builds an `EosTokenCriteria` and a `MaxLengthCriteria` from the generation config, and one of the
+    same type passed in `stopping_criteria` replaces its own: S3R stops rows where those say, not the config."""
+    from transformers import EosTokenCriteria, MaxLengthCriteria
+
+    model = s3r_hf.enable(tiny_model("qwen3", seed=52))
+    input_ids, attention_mask = left_padded_batch([8, 20, 31, 14], seed=53)
+    free = _free_run(model, input_ids, attention_mask, 30)
+    criteria = []
+    if own in ("eos", "both"):
+        criteria.append(EosTokenCriteria(eos_token_id=int(free[0, 6])))  # row 0's seventh token
+    if own in ("max_length", "both"):
+        criteria.append(MaxLengthCriteria(max_length=input_ids.shape[1] + 12))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=30,
+                  stopping_criteria=StoppingCriteriaList(criteria))
+    dense = model.generate(input_ids, **kwargs)
+    assert dense.shape[1] < input_ids.shape[1] + 30 or own == "eos"
+    assert torch.equal(model.generate(input_ids, s3r_config=CONFIG, **kwargs), dense)
+
+
+def test_stopping_criteria_without_an_eos_token_are_refused():
+    """Without an EOS criterion dense `generate` keeps decoding a row a criterion stopped (it pads stopped rows only
+    when one stops on EOS); S3R does not reproduce that, and says so."""
+    model = s3r_hf.enable(tiny_model("qwen3", seed=54, eos_token_id=None))
+    model.generation_config.eos_token_id = None
+    input_ids, attention_mask = left_padded_batch([10, 18], seed=55)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=10,
+                       stopping_criteria=StoppingCriteriaList([StopAfterCalls(3)]), s3r_config=CONFIG)
