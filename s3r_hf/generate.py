@@ -104,13 +104,6 @@ def generate(
     custom_criteria = StoppingCriteriaList(
         c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))
     )
-    if len(custom_criteria) > 0 and not any(hasattr(c, "eos_token_id") for c in stopping_criteria):
-        # Dense `generate` pads a stopped row only when a criterion stops on EOS; without one it keeps decoding
-        # the rows a criterion stopped until every row has stopped. S3R stops them where the criterion does.
-        raise ValueError(
-            "S3R with stopping criteria needs an EOS token (generation_config.eos_token_id): without one, generate "
-            "keeps decoding a row after a criterion stops it, which S3R does not reproduce"
-        )
     output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
 
     requests = []

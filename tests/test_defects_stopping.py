@@ -124,13 +124,3 @@ def test_a_callers_eos_or_max_length_criterion_replaces_the_configs_as_in_dense(
     assert dense.shape[1] < input_ids.shape[1] + 30 or own == "eos"
     assert torch.equal(model.generate(input_ids, s3r_config=CONFIG, **kwargs), dense)
 
-
-def test_stopping_criteria_without_an_eos_token_are_refused():
-    """Without an EOS criterion dense `generate` keeps decoding a row a criterion stopped (it pads stopped rows only
-    when one stops on EOS); S3R does not reproduce that, and says so."""
-    model = s3r_hf.enable(tiny_model("qwen3", seed=54, eos_token_id=None))
-    model.generation_config.eos_token_id = None
-    input_ids, attention_mask = left_padded_batch([10, 18], seed=55)
-    with pytest.raises(ValueError, match="eos_token_id"):
-        model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=10,
-                       stopping_criteria=StoppingCriteriaList([StopAfterCalls(3)]), s3r_config=CONFIG)
