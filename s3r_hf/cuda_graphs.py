@@ -268,9 +268,9 @@ class DecodeGraphs:
         """Static buffers of a step graph of `bucket` rows. A block graph's attention reads how many requests are
         real (`DenseSegments.live_segments`, set by `_fill`) and splits their keys as a grid of that many would: a
         graph replayed for a tail of a few requests would otherwise leave each one's keys to the few long-running
-        programs chosen for all of its padding segments. (Dense-step graphs keep the count of their bucket: in a
-        float32 GRPO run with the live count there too, engine AR's rollouts took 11% longer, unexplained by the
-        kernel's own timings; docs/benchmarks.md, log of 2026-12-03.)"""
+        programs chosen for all of its padding segments. (Dense-step graphs keep the count of their bucket: with the
+        live count there too, engine AR's float32 GRPO rollouts were slower, which the kernel's own timings do not
+        explain; docs/benchmarks.md, log of 2026-12-03.)"""
         device = self.cache.device
         long = dict(dtype=torch.long, device=device)
         int32 = dict(dtype=torch.int32, device=device)
