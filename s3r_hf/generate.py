@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,19 +275,22 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
     check_model_supported(model)
     if getattr(model, "_s3r_enabled", False):
         return model
-    original_generate = model.generate
 
-    @functools.wraps(original_generate)
-    def generate_with_s3r(*args, s3r_config: S3RConfig | dict | None = None, **kwargs):
+    # Methods bound to the model, not closures over it: `copy.deepcopy` rebinds a bound method to the copy, so a
+    # copy of an enabled model generates with its own weights.
+    @functools.wraps(model.generate)
+    def generate_with_s3r(self, *args, s3r_config: S3RConfig | dict | None = None, **kwargs):
+        original_generate = self._s3r_original_generate
         if s3r_config is None:
             return original_generate(*args, **kwargs)
         if kwargs.get("custom_generate") is not None:
             raise ValueError("pass either s3r_config or custom_generate to generate, not both")
         if kwargs.get("assistant_model") is not None:
             raise ValueError("S3R drafts with the model itself; assistant_model cannot be combined with s3r_config")
-        kwargs = stop_strings_as_criterion(model, kwargs)  # transformers would drop the tokenizer they need
+        kwargs = stop_strings_as_criterion(self, kwargs)  # transformers would drop the tokenizer they need
         return original_generate(*args, custom_generate=generate, s3r_config=s3r_config, **kwargs)
 
-    model.generate = generate_with_s3r
+    model._s3r_original_generate = model.generate
+    model.generate = types.MethodType(generate_with_s3r, model)
     model._s3r_enabled = True
     return model

@@ -59,6 +59,26 @@ def test_plain_generate_unchanged_after_enable():
     assert not hasattr(after, "s3r_stats")
 
 
+def test_a_copy_of_an_enabled_model_generates_with_its_own_weights():
+    """`copy.deepcopy` of an enabled model (a frozen reference copy, say): its `generate`, with S3R or without, runs
+    the copy, not the model it was copied from."""
+    import copy
+
+    model = s3r_hf.enable(tiny_model("qwen3", seed=7))
+    input_ids, attention_mask = left_padded_batch([6, 11], seed=8)
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=8)
+    original = model.generate(input_ids, **kwargs)
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in clone.parameters():
+            parameter.copy_(torch.randn_like(parameter))
+    own = type(clone).generate(clone, input_ids, **kwargs)  # the class's own dense generate
+    assert not torch.equal(own, original)
+    assert torch.equal(clone.generate(input_ids, **kwargs), own)
+    assert torch.equal(clone.generate(input_ids, s3r_config=S3RConfig(draft_len=3, page_size=4), **kwargs), own)
+    assert torch.equal(model.generate(input_ids, **kwargs), original)
+
+
 def test_eos_and_max_new_tokens_per_request():
     model = s3r_hf.enable(tiny_model("qwen3", seed=5))
     input_ids, attention_mask = left_padded_batch([8, 20, 31, 14], seed=6)
