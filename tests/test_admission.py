@@ -186,6 +186,36 @@ def test_with_nothing_running_a_paused_request_comes_back_if_it_fits_at_all():
     assert scheduler.running == [paused] and paused.status is RequestStatus.RUNNING
 
 
+def test_a_request_restored_mid_prefill_keeps_the_pages_its_prompt_still_needs():
+    """With mixed steps a request may be paused part-way through its prompt. Restored, the rest of its prompt is
+    promised as a running request's is: a waiting request that would take those pages stays out, rather than the
+    next prefill step running out of pages (38 pages of one token: 20 held, 5 to come, 15 wanted)."""
+    from s3r_hf.engine.prompt_chunks import PromptChunks
+
+    model = tiny_model("llama")
+    config = S3RConfig(draft_len=1, page_size=1, num_pages=38, concurrency_min=2, concurrency_max=2,
+                       admission_sigmas=None, mixed_steps=True, prefill_chunk_size=20, adaptive=False,
+                       share_prompts=False)
+    cache = S3RCache(model.config, num_pages=38, page_size=1, max_requests=3)
+    scheduler = Scheduler(cache, config, S3RStats())
+
+    def request(row: int, prompt: int) -> Request:
+        tokens = torch.zeros(prompt + 7, dtype=torch.long)
+        return Request(row=row, prompt_ids=torch.arange(3, 3 + prompt), tokens=tokens, length=prompt, max_new_tokens=5)
+
+    paused, waiting = request(0, 25), request(1, 15)
+    paused.slot = cache.add_request()
+    cache.reserve(paused.slot, 20)
+    cache.set_length(paused.slot, 20)
+    paused.prefilled = 20
+    paused.offloaded, paused.status = cache.offload(paused.slot), RequestStatus.PAUSED
+    scheduler.paused.append(paused)
+    scheduler.waiting.append(waiting)
+    step = scheduler.schedule()
+    assert step.requests == [paused] and list(scheduler.waiting) == [waiting]
+    PromptChunks.take(step.requests, cache, config, lambda r, end: cache.reserve(r.slot, end) or True)
+
+
 def test_the_model_keeps_the_lengths_it_saw_for_its_next_call():
     """A response that ended on EOS is an event, one cut at `max_new_tokens` a censored length; the runtime keeps the
     forecast, and the next call starts from it (weighed by half)."""

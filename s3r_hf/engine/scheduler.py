@@ -139,6 +139,8 @@ class Scheduler:
             request.offloaded = None
             request.status = RequestStatus.RUNNING
             running.append(request)
+            if request.prefilled < request.prompt_len:  # paused mid-prefill (a mixed step): the rest is promised
+                promised += max(0, self.pages_needed_for_prompt(request) - self.cache.pages_held(request.slot))
         if paused:
             return
         while waiting and len(running) < self.concurrency.limit:
