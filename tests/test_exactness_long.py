@@ -24,9 +24,8 @@ from scipy import stats
 
 import s3r_hf
 from s3r_hf import S3RConfig
-from s3r_hf.draft_policy import ScriptedDraftLength
+from s3r_hf.draft_policy import AdaptiveDraftLength, ScriptedDraftLength
 from tests.exact_distribution import tiny_enumerable_model
-from tests.test_adaptive_exactness import CheapDrafts
 
 VOCAB = 8
 PROMPT_LEN = 24
@@ -40,16 +39,26 @@ VIEWS = dict(budget_ratio=0.05, min_budget=2, page_size=4, cuda_graphs=DEVICE.ty
 CASES = {
     # The paper's fixed k, views refreshed every third round and extended in between.
     "fixed-k4-refresh3": dict(config=dict(adaptive=False, draft_len=4, refresh_interval=3)),
-    # The adaptive rule with a middle length and refresh intervals of its own choosing, told that drafts are cheap
-    # (for this tiny model the true rule would mostly decode densely): it switches between dense steps, probes and
-    # drafting rounds of both lengths, and refreshes the views every round or less often.
+    # The adaptive rule with a middle length and refresh intervals of its own choosing, fed fixed costs (for this tiny
+    # model the true rule would mostly decode densely): it switches between dense steps, probes and drafting rounds of
+    # both lengths, and refreshes the views every round or less often.
     "adaptive-0-2-4": dict(
         config=dict(draft_len=4, adaptive_draft_lengths=(0, 2, 4)),
-        policy=lambda: CheapDrafts(
+        policy=lambda: FixedCosts(
             4, lengths=(0, 2, 4), min_probe_gap=4, probe_budget=1.0, refresh_intervals=(1, 2, 3)
         ),
     ),
 }
+
+
+class FixedCosts(AdaptiveDraftLength):
+    """The adaptive rule fed fixed costs instead of measured ones, so that the lengths and refresh intervals it chooses
+    (which the test checks it went through) do not depend on how busy the machine is: a dense step 1 ms, a drafting
+    round of `k` tokens 0.1 ms x (1 + 2k), a refresh 0.05 ms more."""
+
+    def observe_cost(self, shape, draft_len, seconds, refreshes=True, follows_refresh=True):
+        fixed = 1e-3 if draft_len == 0 else 1e-4 * (1 + 2 * draft_len) + (5e-5 if refreshes else 0.0)
+        super().observe_cost(shape, draft_len, fixed, refreshes, follows_refresh)
 
 
 @pytest.fixture(scope="module")
