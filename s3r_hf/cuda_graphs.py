@@ -331,10 +331,10 @@ class DecodeGraphs:
         if width < target.block_tables.shape[1] or rows < target.block_tables.shape[0]:
             target.block_tables.zero_()
         target.block_tables[:rows, :width].copy_(source.block_tables)
-        if kind in _BLOCK_KINDS and rows != step.live_segments:  # a launch only when the row count changes
-            target.live_segments.fill_(rows)
-            step.live_segments = rows
         if kind in _BLOCK_KINDS:
+            if rows != step.live_segments:  # a launch only when the row count changes
+                target.live_segments.fill_(rows)
+                step.live_segments = rows
             # Real segments first; all unused token slots form one padding segment; later segments are empty.
             target.cu_seqlens[: rows + 1].copy_(source.cu_seqlens)
             target.cu_seqlens[rows + 1 :].fill_(static.write_index.shape[0])

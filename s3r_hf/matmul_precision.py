@@ -14,15 +14,21 @@ from collections.abc import Iterator
 import torch
 
 
-def tf32_matmuls() -> bool:
-    """Whether float32 CUDA matmuls may run on TF32 tensor cores now. torch has two settings for it, the legacy
-    `torch.backends.cuda.matmul.allow_tf32` and the newer `fp32_precision` (on `torch.backends` or its `cuda.matmul`),
-    and refuses to read the legacy one once the newer one was set: this reads whichever the process uses."""
+def _tf32_setting() -> tuple[str, object, object]:
+    """`(attribute of torch.backends.cuda.matmul, its value now, its value for TF32)` of the setting the process uses.
+    torch has two, the legacy `allow_tf32` and the newer `fp32_precision` (on `torch.backends` or its `cuda.matmul`),
+    and refuses to read the legacy one once the newer one was set to TF32."""
     matmul = torch.backends.cuda.matmul
     try:
-        return bool(matmul.allow_tf32)
+        return "allow_tf32", matmul.allow_tf32, True
     except RuntimeError:  # set through the newer API
-        return matmul.fp32_precision == "tf32"
+        return "fp32_precision", matmul.fp32_precision, "tf32"
+
+
+def tf32_matmuls() -> bool:
+    """Whether float32 CUDA matmuls may run on TF32 tensor cores now, by whichever setting the process uses."""
+    _, value, on = _tf32_setting()
+    return value == on
 
 
 @contextlib.contextmanager
@@ -33,10 +39,7 @@ def float32_matmul_precision(precision: str) -> Iterator[None]:
         yield
         return
     matmul = torch.backends.cuda.matmul
-    try:
-        name, before, on = "allow_tf32", matmul.allow_tf32, True
-    except RuntimeError:  # set through the newer API, which refuses legacy reads from then on
-        name, before, on = "fp32_precision", matmul.fp32_precision, "tf32"
+    name, before, on = _tf32_setting()
     setattr(matmul, name, on)
     try:
         yield
