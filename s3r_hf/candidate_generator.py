@@ -18,6 +18,7 @@ from s3r_hf.config import S3RConfig
 from s3r_hf.engine import S3REngine, SamplingSetup
 from s3r_hf.generate_kwargs import check_generate_call
 from s3r_hf.logits import RaggedLogitsProcessor
+from s3r_hf.model_session import on_device
 from s3r_hf.request import Request, RequestStatus
 from s3r_hf.runtime_state import call_seed
 from s3r_hf.sampler import call_generators
@@ -181,7 +182,7 @@ def assisted_generate(
     model_kwargs[cache_key] = cache
     model_kwargs.pop("position_ids", None)
     generator = SparseSelfDraftCandidateGenerator(model, cache, config, generation_config, logits_processor)
-    with _candidate_generator_override(model, generator), s3r_attention(model, packed=False):
+    with _candidate_generator_override(model, generator), s3r_attention(model, packed=False), on_device(model.device):
         return GenerationMixin._assisted_decoding(
             model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
             generation_config=generation_config, synced_gpus=False, streamer=streamer, **model_kwargs,

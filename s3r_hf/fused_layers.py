@@ -10,6 +10,9 @@ four launches and the attention's own (`s3r_hf.kernels.layer_triton`; `layer_ref
 than `FUSED_MAX_TOKENS` packed tokens (prefill chunks) run the layer's own forward, compiled where
 `compile_layers` says so: at those sizes a tuned GEMM library beats these kernels and launches do not matter.
 
+Under autocast to another dtype than the weights' (`accelerate`'s mixed precision), the layers run their own forward:
+the kernels compute in the weights' dtype.
+
 The kernels read the weights of the model's own modules at every forward: nothing is copied, so an optimizer step
 between calls is picked up without a refresh, and a CUDA graph captured in one call reads the same parameters in
 the next. The fused forwards are installed only while an engine runs and only act in the thread holding the model
@@ -25,6 +28,7 @@ from types import ModuleType
 
 import torch
 from transformers import PreTrainedModel
+from transformers.utils import logging
 
 from s3r_hf.attention import s3r_attention_forward
 from s3r_hf.compiled_layers import decoder_layers, replaced_forwards
@@ -32,6 +36,8 @@ from s3r_hf.fused_projections import FusedLinearSlice
 from s3r_hf.kernels import get_layer_backend
 from s3r_hf.model_session import owns
 from s3r_hf.validation import UnsupportedModelError
+
+logger = logging.get_logger(__name__)
 
 # Packed tokens up to which a forward runs fused: every draft pass, dense step and verify block of up to 146 rows
 # of seven queries; prefill chunks above it run the layer's own forward.
@@ -158,9 +164,22 @@ def _dispatch(model: PreTrainedModel, parts: LayerParts, ops: ModuleType, own: C
     def forward(hidden_states, *args, **kwargs):
         if (
             args or "s3r_step" not in kwargs or hidden_states.shape[1] > FUSED_MAX_TOKENS
-            or hidden_states.shape[0] != 1 or not owns(model)
+            or hidden_states.shape[0] != 1 or not owns(model) or _autocast_changes(parts, hidden_states.device)
         ):
             return own(hidden_states, *args, **kwargs)
         return fused_forward(parts, ops, hidden_states, kwargs)
 
     return forward
+
+
+def _autocast_changes(parts: LayerParts, device: torch.device) -> bool:
+    """Whether autocast would run the layer's products in another dtype than its weights'. The Triton kernels compute
+    in the weights' dtype whatever autocast says (a float32 model under `accelerate`'s bf16 mixed precision, whose
+    forward runs under autocast), so such a layer runs its own forward, as the model computes it."""
+    if not torch.is_autocast_enabled(device.type) or torch.get_autocast_dtype(device.type) == parts.q.weight.dtype:
+        return False
+    logger.warning_once(
+        "S3RConfig.fused_layers: autocast runs this model's %s layers in %s, which the fused kernels do not; the "
+        "layers run their own forward", parts.q.weight.dtype, torch.get_autocast_dtype(device.type),
+    )
+    return True

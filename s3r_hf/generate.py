@@ -21,7 +21,7 @@ from s3r_hf.engine import S3REngine, SamplingSetup
 from s3r_hf.fused_layers import check_fusable
 from s3r_hf.generate_kwargs import check_generate_call, stop_strings_as_criterion
 from s3r_hf.logits import RaggedLogitsProcessor
-from s3r_hf.model_session import hold
+from s3r_hf.model_session import hold, on_device
 from s3r_hf.request import Request
 from s3r_hf.runtime_state import ModelRuntime, adaptive_policy, call_seed, runtime_for
 from s3r_hf.sampler import call_generators
@@ -133,7 +133,7 @@ def generate(
         return _assemble(input_ids, requests, generation_config, S3RStats(), config)
 
     # The model's kept runtime is this call's until it returns: another thread's call waits (`model_session.hold`).
-    with hold(model):
+    with hold(model), on_device(device):
         runtime = runtime_for(model) if config.keep_state else ModelRuntime()
         runtime.check_model(model)
         cache = _kv_pool(runtime, requests, config, model, device)

@@ -56,6 +56,13 @@ def hold(model: torch.nn.Module) -> Iterator[None]:
         lock.release()
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make `device` the current CUDA device for the block (a no-op off CUDA). Triton launches and CUDA-graph captures
+    run on the current device's stream, not on their tensors' device: a model on `cuda:1` called while `cuda:0` is
+    current would otherwise have its kernels launched on the wrong device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def owns(model: torch.nn.Module) -> bool:
     """Whether the current thread is inside an S3R call on `model`."""
     return any(held is model for held in getattr(_local, "models", ()))

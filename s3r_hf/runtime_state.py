@@ -171,8 +171,8 @@ class ModelRuntime:
     # ---------------------------------------------------------------- graphs and fused weights
     def graphs_for(self, max_pages: int, config: S3RConfig) -> DecodeGraphs:
         """The kept CUDA graphs if they cover `max_pages` pages per request for `config` (draft length, budget, and
-        the layers' implementation: compiled, fused, the draft passes' matmul precision, which a graph records);
-        otherwise new ones, the old ones dropped.
+        the layers' implementation: compiled, fused, the draft passes' matmul precision, autocast, which a graph
+        records); otherwise new ones, the old ones dropped.
 
         New graphs are sized `GRAPH_HEADROOM` times past `max_pages`, and for at least `GRAPH_MIN_TOKENS` tokens: the
         next RL step's longest prompt is longer or shorter, and a graph replays any request that fits its block
@@ -185,7 +185,7 @@ class ModelRuntime:
             or graphs.draft_len != config.draft_len
             or graphs.max_pages < max_pages
             or graphs.max_candidates != config.budget(graphs.max_pages * page_size)
-            or self._graphs_layers != _layers_of(config)
+            or self._graphs_layers != _layers_of(config, self.cache.device)
         ):
             if graphs is not None:
                 logger.info("the kept CUDA graphs (%d pages per request, draft length %d) do not serve a call of %d "
@@ -195,7 +195,7 @@ class ModelRuntime:
             pages = max(math.ceil(max_pages * GRAPH_HEADROOM), -(-GRAPH_MIN_TOKENS // page_size))
             budget = config.budget(pages * page_size)
             graphs = self.graphs = DecodeGraphs(self.cache, self.forward, pages, config.draft_len, budget)
-            self._graphs_layers = _layers_of(config)
+            self._graphs_layers = _layers_of(config, self.cache.device)
         return graphs
 
     def fused_projections(self, make) -> FusedProjections:
@@ -215,9 +215,11 @@ class ModelRuntime:
         return total
 
 
-def _layers_of(config: S3RConfig) -> tuple:
-    """What a captured graph fixes about the decoder layers it replays."""
-    return config.compile_layers, config.fused_layers, config.draft_matmul_precision
+def _layers_of(config: S3RConfig, device: torch.device) -> tuple:
+    """What a captured graph fixes about the decoder layers it replays: their implementation, and the dtype autocast
+    runs their products in when the call is made under it (a graph replays the kernels of its capture)."""
+    autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    return config.compile_layers, config.fused_layers, config.draft_matmul_precision, autocast
 
 
 def process_rank() -> int:

@@ -290,6 +290,30 @@ def test_fused_layers_read_the_weights_of_the_moment(count_fused):
     assert torch.equal(out, dense)
 
 
+def test_under_autocast_to_another_dtype_the_layers_run_their_own_forward(count_fused):
+    """`accelerate`'s mixed precision runs a float32 model's forward under bf16 autocast, which the kernels would
+    ignore: those layers run their own forward, so S3R computes what the model computes. Autocast to the weights'
+    own dtype leaves the fused layers on."""
+    autocast_dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+    model = s3r_hf.enable(tiny_model("llama", **FUSABLE).to(DEVICE))
+    ids, mask = left_padded_batch([10, 13], seed=8)
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    options = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    outputs = {}
+    with torch.autocast(DEVICE.type, dtype=autocast_dtype):
+        for fused in (False, True):
+            config = S3RConfig(min_budget=4, fused_layers=fused, adaptive=False)
+            outputs[fused] = model.generate(ids, attention_mask=mask, s3r_config=config, **options)
+    assert not count_fused
+    assert torch.equal(outputs[True].sequences, outputs[False].sequences)
+    for fused_scores, own_scores in zip(outputs[True].scores, outputs[False].scores):
+        assert torch.equal(fused_scores, own_scores)
+    half = fused_layers.layer_parts(tiny_model("llama", **FUSABLE).to(autocast_dtype).model.layers[0])
+    with torch.autocast(DEVICE.type, dtype=autocast_dtype):
+        assert not fused_layers._autocast_changes(half, DEVICE)
+        assert fused_layers._autocast_changes(fused_layers.layer_parts(model.model.layers[0]), DEVICE)
+
+
 def test_unfusable_models_are_refused_with_the_reason():
     model = s3r_hf.enable(tiny_model("llama"))  # head_dim 16
     ids, mask = left_padded_batch([6], seed=7)

@@ -220,8 +220,9 @@ def test_a_longer_single_request_does_not_reuse_a_pool_it_cannot_fit():
 
 
 def test_graphs_are_captured_again_when_the_layers_they_replay_change():
-    """A graph records the layers' kernels: a call with other compiled / fused layers or another draft matmul
-    precision than the kept graphs were captured with gets new graphs rather than replaying the old layers."""
+    """A graph records the layers' kernels: a call with other compiled / fused layers, another draft matmul
+    precision or another autocast dtype than the kept graphs were captured with gets new graphs rather than replaying
+    the old layers."""
     model = tiny_model("qwen3", seed=62)
     runtime = ModelRuntime()
     cache = S3RCache(model.config, num_pages=64, page_size=4, max_requests=4)
@@ -236,6 +237,10 @@ def test_graphs_are_captured_again_when_the_layers_they_replay_change():
         assert runtime.graphs_for(10, changed) is graphs
         kept = runtime.graphs_for(10, config)
         assert kept is not graphs
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's dtype is part of what a capture records
+        graphs = runtime.graphs_for(10, config)
+        assert graphs is not kept and runtime.graphs_for(10, config) is graphs
+    assert runtime.graphs_for(10, config) is not graphs
 
 
 def test_graphs_serve_later_steps_with_prompts_several_times_longer():
