@@ -145,6 +145,39 @@ def test_linear_residual_matches_reference(dtype, bias, launch):
     assert torch.equal(layer_triton.linear_residual(x, weight, b if bias else None, residual), actual)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 14, 40, 130])
+def test_lm_head_matches_reference(dtype, rows):
+    """Row counts of one row block of each height (16, 64 and 128 rows) and two blocks; a vocabulary that leaves the
+    last 128-column tile partly empty, a hidden size of several K tiles with a partial last one."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, 80, generator=generator).to(dtype).to(DEVICE)
+    weight = (torch.randn(300, 80, generator=generator) * 0.1).to(dtype).to(DEVICE)
+    actual = layer_triton.lm_head(x, weight)
+    assert actual.shape == (rows, 300) and actual.dtype == dtype
+    _close(actual, layer_reference.lm_head(x, weight), dtype)
+    assert layer_triton.lm_head(x[:0], weight).shape == (0, 300)
+
+
+def test_float32_lm_heads_run_fused_in_engine_forwards_only(monkeypatch):
+    """A float32 model's LM head runs the fused GEMM in S3R's forwards and its own forward elsewhere (a dense
+    `generate`), and the output is still dense decoding's."""
+    calls = []
+    for ops in (layer_reference, layer_triton):
+        monkeypatch.setattr(ops, "lm_head", lambda x, w, real=ops.lm_head: calls.append(x.shape[0]) or real(x, w))
+    model = s3r_hf.enable(tiny_model("llama", **FUSABLE).to(DEVICE))
+    ids, mask = left_padded_batch([9, 12], seed=9)
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    dense = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert not calls
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                         s3r_config=S3RConfig(min_budget=4, fused_layers=True, adaptive=False, draft_len=3))
+    assert torch.equal(out, dense)
+    assert calls and 2 * 4 in calls  # the verify block of two requests, four queries each
+    assert "forward" not in model.lm_head.__dict__
+    assert not fused_layers._fusable_head(tiny_model("llama", **FUSABLE).to(torch.bfloat16).lm_head)
+
+
 def test_float32_products_follow_torchs_tf32_switch(launch):
     """float32 products run as three TF32 products (float32's accuracy, the tests above) unless torch allows TF32 for
     float32 matmuls, as the draft passes do (`S3RConfig.draft_matmul_precision`): then as one, like cuBLAS. Half
@@ -308,10 +341,9 @@ def test_under_autocast_to_another_dtype_the_layers_run_their_own_forward(count_
     assert torch.equal(outputs[True].sequences, outputs[False].sequences)
     for fused_scores, own_scores in zip(outputs[True].scores, outputs[False].scores):
         assert torch.equal(fused_scores, own_scores)
-    half = fused_layers.layer_parts(tiny_model("llama", **FUSABLE).to(autocast_dtype).model.layers[0])
     with torch.autocast(DEVICE.type, dtype=autocast_dtype):
-        assert not fused_layers._autocast_changes(half, DEVICE)
-        assert fused_layers._autocast_changes(fused_layers.layer_parts(model.model.layers[0]), DEVICE)
+        assert not fused_layers._autocast_changes(autocast_dtype, DEVICE)
+        assert fused_layers._autocast_changes(torch.float32, DEVICE)
 
 
 def test_unfusable_models_are_refused_with_the_reason():

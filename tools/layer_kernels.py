@@ -2,7 +2,7 @@
 (`S3RConfig.fused_layers`) against the model's own ops, eager and compiled, and against the weight-read floor.
 
     python tools/layer_kernels.py [--shapes smollm2-135m,qwen3-1.7b] [--rows 16,32,64,448] [--sweep] [--tf32]
-                                  [--dtype bfloat16|float32] [--json PATH]
+                                  [--dtype bfloat16|float32] [--lm-head] [--json PATH]
 
 For each model shape and row count (64: a draft pass or an AR step at B=64; 448: a verify block of 64 requests x 7
 queries; 32: GRPO's 32 rows, and the largest count run in 16-row blocks; 16: a rollout's tail) it times, replayed
@@ -15,6 +15,9 @@ The attention is left out: its input is a fixed tensor. The fused output is comp
 (`kernels/layer_reference.py`); the floor is the layer's weight bytes at the measured copy bandwidth. `--sweep` also
 times the fused kernels at other tile settings (K block, pipeline stages, warps, 16-row blocks) with and without split K
 ranges.
+
+With `--lm-head` it times the LM head instead: cuBLAS (`F.linear`) against `layer_triton.lm_head` (what a float32
+model's LM head runs with `fused_layers`), both against float64 products; `--sweep` then times the LM head's tiles.
 """
 
 from __future__ import annotations
@@ -148,6 +151,39 @@ def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch
     return row
 
 
+VOCAB = {"smollm2-135m": 49152, "qwen3-1.7b": 151936}
+LM_HEAD_SWEEP = [None] + [  # layer_triton's LM_HEAD_OVERRIDE: (BLOCK_N, K-tile bytes, warps, stages)
+    (block_n, k_bytes, warps, stages)
+    for block_n, k_bytes, warps, stages in itertools.product((64, 128, 256), (64, 128, 256), (4, 8), (3,))
+]
+
+
+def time_lm_head(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch.dtype) -> dict:
+    """The LM head at `rows` rows: cuBLAS (`F.linear`, as the model's `lm_head` runs) against `layer_triton.lm_head`
+    and the weights' read floor; errors against float64 products."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    hidden = SHAPES[name]["hidden"]
+    weight = (torch.randn(VOCAB[name], hidden, generator=generator, device="cuda") * hidden**-0.5).to(dtype)
+    x = torch.randn(rows, hidden, generator=generator, device="cuda").to(dtype)
+    exact = x.double() @ weight.double().t()
+    row = {"shape": name, "rows": rows, "floor_ms": weight.numel() * weight.element_size() / bandwidth * 1e3,
+           "cublas_ms": _ms(lambda: F.linear(x, weight)), "fused_ms": _ms(lambda: layer_triton.lm_head(x, weight)),
+           "cublas_error": (F.linear(x, weight).double() - exact).abs().max().item(),
+           "fused_error": (layer_triton.lm_head(x, weight).double() - exact).abs().max().item()}
+    if sweep:
+        row["sweep"] = []
+        for setting in LM_HEAD_SWEEP[1:]:
+            layer_triton.LM_HEAD_OVERRIDE = setting
+            try:
+                error = (layer_triton.lm_head(x, weight).double() - exact).abs().max().item()
+                row["sweep"].append({"setting": setting, "ms": _ms(lambda: layer_triton.lm_head(x, weight)),
+                                     "max_abs_error": error})
+            except Exception as error:  # a setting that does not fit the shared memory
+                row["sweep"].append({"setting": setting, "error": str(error).splitlines()[0][:120]})
+        layer_triton.LM_HEAD_OVERRIDE = None
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES))
@@ -157,6 +193,8 @@ def main() -> None:
     parser.add_argument("--tf32", action="store_true",
                         help="float32 matmuls and the fused kernels' products in TF32, as in float32 draft passes "
                              "(S3RConfig.draft_matmul_precision='high')")
+    parser.add_argument("--lm-head", action="store_true",
+                        help="time the LM head instead (cuBLAS against layer_triton.lm_head; --sweep: its tiles)")
     parser.add_argument("--json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -165,9 +203,21 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     torch.backends.cuda.matmul.allow_tf32 = args.tf32  # read by cuBLAS, inductor and the fused kernels alike
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.dtype}{' (TF32 products)' if args.tf32 else ''}")
-    print(f"{'shape':14} {'rows':>5} {'floor':>7} {'torch':>7} {'compiled':>8} {'fused':>7}  per kernel (ms)")
     rows = []
-    for name in args.shapes.split(","):
+    if args.lm_head:
+        print(f"{'shape':14} {'rows':>5} {'floor':>7} {'cublas':>7} {'fused':>7}  max error vs float64 (cublas, fused)")
+        for name in args.shapes.split(","):
+            for count in (int(r) for r in args.rows.split(",")):
+                row = time_lm_head(name, count, args.sweep, bandwidth, dtype)
+                rows.append(row)
+                print(f"{name:14} {count:5d} {row['floor_ms']:7.4f} {row['cublas_ms']:7.4f} {row['fused_ms']:7.4f}  "
+                      f"{row['cublas_error']:.3g} {row['fused_error']:.3g}", flush=True)
+                for setting in sorted(row.get("sweep", []), key=lambda s: s.get("ms", 1e9))[:4]:
+                    print("    sweep", setting, flush=True)
+        args.shapes = ""  # the layer points are not timed
+    else:
+        print(f"{'shape':14} {'rows':>5} {'floor':>7} {'torch':>7} {'compiled':>8} {'fused':>7}  per kernel (ms)")
+    for name in filter(None, args.shapes.split(",")):
         for count in (int(r) for r in args.rows.split(",")):
             row = time_point(name, count, args.sweep, bandwidth, dtype)
             rows.append(row)

@@ -9,6 +9,9 @@ elementwise work around them, and the attention:
     a = norm_gate_up_silu(h, ...)             RMSNorm, gate/up projections, SiLU(gate) * up
     y = linear_residual(a, down_proj, h)      down projection + residual
 
+and after the last layer's norm, a float32 model's `lm_head(y, weight)` (`fused_layers` runs it where cuBLAS's float32
+GEMMs at these row counts are slow).
+
 Each function reads the weights of the model's own modules (no copies), takes rows `[M, hidden]` and returns rows
 in the input's dtype. Products accumulate in float32 and are rounded once, where the model's modules round after
 each operation; the normalized input is rounded as `LlamaRMSNorm` rounds it. These functions are the ground truth
@@ -105,3 +108,9 @@ def linear_residual(
     if bias is not None:
         out = out + bias.float()
     return out.to(residual.dtype)
+
+
+def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits `x @ weight.T` of rows `x` `[M, hidden]` with a bias-free LM head `weight` `[V, hidden]`: `[M, V]` in
+    the input's dtype."""
+    return (x.float() @ weight.float().t()).to(x.dtype)

@@ -17,6 +17,10 @@ SMs idle the K range is split over several programs (`_splits`); each stores its
 of a tile's programs to arrive (an atomic count) adds them in split order and runs the epilogue: one launch, and the
 same result in every launch.
 
+A float32 LM head (`lm_head`) is one more kernel: cuBLAS runs float32 GEMMs on the CUDA cores, and at a verify
+block's row counts picks tiles of 128 rows, so a few rows cost what a hundred do; here each product is three TF32
+tensor-core products (tf32x3, float32's accuracy), over tiles as tall as the rows.
+
 Every function has the signature and results of its reference (`layer_reference.py`); tests compare them, on CUDA
 and under `TRITON_INTERPRET=1`.
 """
@@ -512,7 +516,59 @@ def linear_residual(
     return out
 
 
-KERNELS = (_norm_qkv_rope_kernel, _norm_gate_up_silu_kernel, _linear_residual_kernel)
+@triton.jit(do_not_specialize=["M"])
+def _lm_head_kernel(x_ptr, w_ptr, out_ptr, M, K, N, stride_xm, stride_om, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # Row blocks vary fastest, so the programs that read one tile of the vocabulary's weights run together and all
+    # but the first find it in L2: the weights are read from memory about once.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * K + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _lm_head_block_m(rows: int) -> int:
+    """Rows per program: the smallest tensor-core tile that holds them, up to 128 (larger row counts re-read the
+    weights once per 128 rows)."""
+    return min(max(16, triton.next_power_of_2(rows)), 128)
+
+
+# `(BLOCK_N, K-tile bytes, warps, stages)` of the LM head; None: 128 columns, 128-byte K tiles (16 KiB of weights a
+# stage), four warps up to 32 rows a program and eight above, three stages. `tools/layer_kernels.py --lm-head
+# --sweep` times others.
+LM_HEAD_OVERRIDE: tuple[int, int, int, int] | None = None
+
+
+def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Triton version of `layer_reference.lm_head` (same arguments and result). One launch over (row blocks x vocabulary
+    column blocks); no split of the hidden dimension, which a vocabulary's hundreds of column blocks do not need."""
+    rows, hidden = x.shape
+    vocab = weight.shape[0]
+    out = torch.empty(rows, vocab, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    x = x.contiguous()
+    block_m = _lm_head_block_m(rows)
+    block_n, k_bytes, warps, stages = LM_HEAD_OVERRIDE or (128, 128, 4 if block_m <= 32 else 8, 3)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(vocab, block_n))
+    _lm_head_kernel[grid](
+        x, weight.contiguous(), out, rows, hidden, vocab, x.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_bytes // x.element_size(), PRECISION=_dot_precision(x.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+KERNELS = (_norm_qkv_rope_kernel, _norm_gate_up_silu_kernel, _linear_residual_kernel, _lm_head_kernel)
 
 
 def layer_variant_keys() -> set[tuple[str, str]]:
