@@ -19,7 +19,7 @@ same result in every launch.
 
 A float32 LM head (`lm_head`) is one more kernel: cuBLAS runs float32 GEMMs on the CUDA cores, and at a verify
 block's row counts picks tiles of 128 rows, so a few rows cost what a hundred do; here each product is three TF32
-tensor-core products (tf32x3, float32's accuracy), over tiles as tall as the rows.
+tensor-core products (tf32x3, float32's accuracy), over 16-row tiles for draft passes and dense steps.
 
 Every function has the signature and results of its reference (`layer_reference.py`); tests compare them, on CUDA
 and under `TRITON_INTERPRET=1`.
@@ -537,13 +537,14 @@ def _lm_head_kernel(x_ptr, w_ptr, out_ptr, M, K, N, stride_xm, stride_om, BLOCK_
 
 
 def _lm_head_block_m(rows: int) -> int:
-    """Rows per program: the smallest tensor-core tile that holds them, up to 128 (larger row counts re-read the
-    weights once per 128 rows)."""
-    return min(max(16, triton.next_power_of_2(rows)), 128)
+    """Rows per program: 16 for a draft pass or a dense step (up to 32 rows, two row blocks reading each weight tile
+    from L2 the second time), 128 for a verify block. Two heights, so that a GRPO step reaching a row count the steps
+    before it did not reach builds no new kernel variant."""
+    return 16 if rows <= 32 else 128
 
 
 # `(BLOCK_N, K-tile bytes, warps, stages)` of the LM head; None: 128 columns, 128-byte K tiles (16 KiB of weights a
-# stage), four warps up to 32 rows a program and eight above, three stages. `tools/layer_kernels.py --lm-head
+# stage), four warps for 16-row blocks and eight for 128-row ones, three stages. `tools/layer_kernels.py --lm-head
 # --sweep` times others.
 LM_HEAD_OVERRIDE: tuple[int, int, int, int] | None = None
 
@@ -558,7 +559,7 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return out
     x = x.contiguous()
     block_m = _lm_head_block_m(rows)
-    block_n, k_bytes, warps, stages = LM_HEAD_OVERRIDE or (128, 128, 4 if block_m <= 32 else 8, 3)
+    block_n, k_bytes, warps, stages = LM_HEAD_OVERRIDE or (128, 128, 4 if block_m == 16 else 8, 3)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(vocab, block_n))
     _lm_head_kernel[grid](
         x, weight.contiguous(), out, rows, hidden, vocab, x.stride(0), out.stride(0),
