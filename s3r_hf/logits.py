@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
     MinPLogitsWarper,
+    PrefixConstrainedLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -37,7 +39,10 @@ class RaggedLogitsProcessor:
     the history (repetition penalty, min-length, n-gram bans, …) may also keep per-row state sized to the
     `generate` batch, so they are called with the whole batch in its row order, once per history length, with
     the exact `input_ids` rows that `generate` would pass them (rows not in the call are zero-filled and their
-    outputs dropped). Processors that keep state *across* calls are not supported.
+    outputs dropped). `prefix_allowed_tokens_fn` (`PrefixConstrainedLogitsProcessor`) is the exception: it hands each
+    row's history to a user's function, which may reject a history it does not know (a constraint trie returning no
+    token for a zero-filled row makes transformers raise), so it is called for each entry alone, with its own batch
+    row's id. Processors that keep state *across* calls are not supported.
 
     Args:
         processors: the list `generate` prepared.
@@ -73,6 +78,15 @@ class RaggedLogitsProcessor:
         if self.history_free:
             placeholder = torch.zeros(scores.shape[0], 1, dtype=torch.long, device=scores.device)
             return self.processors(placeholder, scores)
+        for processor in self.processors:
+            if isinstance(processor, PrefixConstrainedLogitsProcessor):
+                scores = _each_row_alone(processor, rows, histories, scores)
+            else:
+                scores = self._by_history_length(processor, rows, histories, scores)
+        return scores
+
+    def _by_history_length(self, processor: LogitsProcessor, rows, histories, scores: torch.Tensor) -> torch.Tensor:
+        """`processor` over the whole batch once per history length; entries of other lengths zero-filled."""
         groups: dict[int, list[int]] = defaultdict(list)
         for entry, history in enumerate(histories):
             groups[history.shape[0]].append(entry)
@@ -84,5 +98,16 @@ class RaggedLogitsProcessor:
             batch_scores = torch.zeros(self.batch_size, scores.shape[1], device=scores.device)
             index = torch.tensor(entries, device=scores.device)
             batch_scores[batch_rows] = scores[index]
-            out[index] = self.processors(input_ids, batch_scores)[batch_rows]
+            out[index] = processor(input_ids, batch_scores)[batch_rows]
         return out
+
+
+def _each_row_alone(processor: PrefixConstrainedLogitsProcessor, rows, histories, scores: torch.Tensor) -> torch.Tensor:
+    """transformers' own `processor` on each entry as a batch of one, its function told the entry's batch row (S3R
+    runs no beams, so the batch id is the row)."""
+    out = torch.empty_like(scores)
+    for entry, (row, history) in enumerate(zip(rows, histories)):
+        single = copy.copy(processor)
+        single._prefix_allowed_tokens_fn = lambda _, sent, row=row: processor._prefix_allowed_tokens_fn(row, sent)
+        out[entry] = single(history[None].to(scores.device), scores[entry : entry + 1])[0]
+    return out

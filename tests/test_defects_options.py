@@ -76,6 +76,28 @@ def test_a_processor_holding_a_model_is_refused_by_name():
                        s3r_config=CONFIG)
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_prefix_allowed_tokens_fn_is_called_with_real_histories_only(do_sample):
+    """A constraint function that knows only its row's real histories (a trie returns no token for others, and
+    transformers then raises) works as in dense `generate`: S3R hands it each entry's own history and batch row, not
+    the zero-filled rows of its grouped calls. Greedy decoding matches dense; sampled tokens keep the constraint."""
+    model, input_ids, attention_mask = _model_and_batch(76)
+    width = input_ids.shape[1]
+
+    def allowed_for(length: int) -> list[int]:
+        return list(range(3, 40)) if length % 2 else list(range(30, 90))
+
+    def allowed(batch_id: int, sent: torch.Tensor) -> list[int]:
+        return allowed_for(sent.shape[0]) if torch.equal(sent[:width], input_ids[batch_id]) else []
+
+    options = dict(max_new_tokens=12, do_sample=do_sample, prefix_allowed_tokens_fn=allowed)
+    out = model.generate(input_ids, attention_mask=attention_mask, s3r_config=CONFIG, **options)
+    if not do_sample:
+        assert torch.equal(out, model.generate(input_ids, attention_mask=attention_mask, **options))
+    for position in range(width, out.shape[1]):
+        assert all(token in allowed_for(position) for token in out[:, position].tolist())
+
+
 # ---------------------------------------------------------------- item 5: training mode
 def test_training_mode_with_attention_dropout_is_refused_naming_eval():
     model, input_ids, attention_mask = _model_and_batch(74, attention_dropout=0.1)
