@@ -106,9 +106,10 @@ def layer_parts(layer: torch.nn.Module) -> LayerParts:
     ):
         raise UnsupportedModelError(f"S3RConfig.fused_layers: {name} biases some of Q/K/V and not others")
     head_dim = getattr(attention, "head_dim", None)
-    if not head_dim or head_dim < 32 or head_dim & (head_dim - 1):
+    # Wider heads hold a program's two rotary halves of 128+ float32 columns each: never built or tested.
+    if not head_dim or head_dim < 32 or head_dim > 128 or head_dim & (head_dim - 1):
         raise UnsupportedModelError(
-            f"S3RConfig.fused_layers: head_dim {head_dim} of {name}; the fused kernels need a power of two >= 32"
+            f"S3RConfig.fused_layers: head_dim {head_dim} of {name}; the fused kernels need 32, 64 or 128"
         )
     return LayerParts(*norms, attention, *linears.values(), *head_norms, head_dim)
 

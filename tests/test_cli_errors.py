@@ -121,8 +121,8 @@ def test_fused_layers_on_a_model_they_do_not_fit_is_one_line(capsys: pytest.Capt
     err = run_cli(["bench", "--model", "qwen3-tiny", "--batch", "2", "--seq", "32", "--max-new-tokens", "4",
                    "--device", "cpu", "--dtype", "float32", "--skip-generate", "--no-warmup", "--fused-layers"], capsys)
     assert err == (
-        "s3r-hf bench: error: S3RConfig.fused_layers: head_dim 16 of Qwen3DecoderLayer; the fused kernels need a "
-        "power of two >= 32\n"
+        "s3r-hf bench: error: S3RConfig.fused_layers: head_dim 16 of Qwen3DecoderLayer; the fused kernels need 32, "
+        "64 or 128\n"
     )
 
 

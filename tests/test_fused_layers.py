@@ -34,7 +34,7 @@ layer_triton = pytest.importorskip("s3r_hf.kernels.layer_triton", reason="triton
 DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
 # The interpreter has no bfloat16 arithmetic: float16 stands in for the half-precision path on CPU.
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float32, torch.float16]
-FUSABLE = dict(head_dim=32)  # the kernels need a power-of-two head dimension of at least 32
+FUSABLE = dict(head_dim=32)  # the kernels need a head dimension of 32, 64 or 128
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -352,6 +352,9 @@ def test_unfusable_models_are_refused_with_the_reason():
     with pytest.raises(UnsupportedModelError, match="head_dim 16"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, s3r_config=S3RConfig(fused_layers=True))
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    wide = s3r_hf.enable(tiny_model("llama", head_dim=256))
+    with pytest.raises(UnsupportedModelError, match="head_dim 256"):
+        wide.generate(ids, attention_mask=mask, max_new_tokens=4, s3r_config=S3RConfig(fused_layers=True))
     with pytest.raises(ValueError, match="fused_layers must be a bool"):
         S3RConfig(fused_layers="yes")
 
