@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from collections import defaultdict
 
 import torch
@@ -78,15 +79,20 @@ class RaggedLogitsProcessor:
         if self.history_free:
             placeholder = torch.zeros(scores.shape[0], 1, dtype=torch.long, device=scores.device)
             return self.processors(placeholder, scores)
-        for processor in self.processors:
-            if isinstance(processor, PrefixConstrainedLogitsProcessor):
-                scores = _each_row_alone(processor, rows, histories, scores)
+        # Consecutive processors other than the prefix constraint run as one list, so each history length's batch
+        # is built once for all of them.
+        for per_entry, run in itertools.groupby(self.processors, key=_per_entry):
+            if per_entry:
+                for processor in run:
+                    scores = _each_row_alone(processor, rows, histories, scores)
             else:
-                scores = self._by_history_length(processor, rows, histories, scores)
+                scores = self._by_history_length(LogitsProcessorList(run), rows, histories, scores)
         return scores
 
-    def _by_history_length(self, processor: LogitsProcessor, rows, histories, scores: torch.Tensor) -> torch.Tensor:
-        """`processor` over the whole batch once per history length; entries of other lengths zero-filled."""
+    def _by_history_length(
+        self, processors: LogitsProcessorList, rows, histories, scores: torch.Tensor
+    ) -> torch.Tensor:
+        """`processors` over the whole batch once per history length; entries of other lengths zero-filled."""
         groups: dict[int, list[int]] = defaultdict(list)
         for entry, history in enumerate(histories):
             groups[history.shape[0]].append(entry)
@@ -98,16 +104,20 @@ class RaggedLogitsProcessor:
             batch_scores = torch.zeros(self.batch_size, scores.shape[1], device=scores.device)
             index = torch.tensor(entries, device=scores.device)
             batch_scores[batch_rows] = scores[index]
-            out[index] = processor(input_ids, batch_scores)[batch_rows]
+            out[index] = processors(input_ids, batch_scores)[batch_rows]
         return out
+
+
+def _per_entry(processor: LogitsProcessor) -> bool:
+    return isinstance(processor, PrefixConstrainedLogitsProcessor)
 
 
 def _each_row_alone(processor: PrefixConstrainedLogitsProcessor, rows, histories, scores: torch.Tensor) -> torch.Tensor:
     """transformers' own `processor` on each entry as a batch of one, its function told the entry's batch row (S3R
     runs no beams, so the batch id is the row)."""
     out = torch.empty_like(scores)
+    single = copy.copy(processor)
     for entry, (row, history) in enumerate(zip(rows, histories)):
-        single = copy.copy(processor)
         single._prefix_allowed_tokens_fn = lambda _, sent, row=row: processor._prefix_allowed_tokens_fn(row, sent)
         out[entry] = single(history[None].to(scores.device), scores[entry : entry + 1])[0]
     return out
