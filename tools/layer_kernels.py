@@ -184,6 +184,35 @@ def time_lm_head(name: str, rows: int, sweep: bool, bandwidth: float, dtype: tor
     return row
 
 
+def lm_head_rows(args: argparse.Namespace, bandwidth: float, dtype: torch.dtype) -> list[dict]:
+    print(f"{'shape':14} {'rows':>5} {'floor':>7} {'cublas':>7} {'fused':>7}  max error vs float64 (cublas, fused)")
+    rows = []
+    for name in args.shapes.split(","):
+        for count in (int(r) for r in args.rows.split(",")):
+            row = time_lm_head(name, count, args.sweep, bandwidth, dtype)
+            rows.append(row)
+            print(f"{name:14} {count:5d} {row['floor_ms']:7.4f} {row['cublas_ms']:7.4f} {row['fused_ms']:7.4f}  "
+                  f"{row['cublas_error']:.3g} {row['fused_error']:.3g}", flush=True)
+            for setting in sorted(row.get("sweep", []), key=lambda s: s.get("ms", 1e9))[:4]:
+                print("    sweep", setting, flush=True)
+    return rows
+
+
+def layer_rows(args: argparse.Namespace, bandwidth: float, dtype: torch.dtype) -> list[dict]:
+    print(f"{'shape':14} {'rows':>5} {'floor':>7} {'torch':>7} {'compiled':>8} {'fused':>7}  per kernel (ms)")
+    rows = []
+    for name in args.shapes.split(","):
+        for count in (int(r) for r in args.rows.split(",")):
+            row = time_point(name, count, args.sweep, bandwidth, dtype)
+            rows.append(row)
+            kernels = " ".join(f"{k}={v:.4f}" for k, v in row["kernels_ms"].items())
+            print(f"{name:14} {count:5d} {row['floor_ms']:7.4f} {row['torch_ms']:7.4f} {row['compiled_ms']:8.4f} "
+                  f"{row['fused_ms']:7.4f}  {kernels}  err={row['max_abs_error']:.3g}", flush=True)
+            for setting in sorted(row.get("sweep", []), key=lambda s: s.get("ms", 1e9))[:5]:
+                print("    sweep", setting, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES))
@@ -203,29 +232,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     torch.backends.cuda.matmul.allow_tf32 = args.tf32  # read by cuBLAS, inductor and the fused kernels alike
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.dtype}{' (TF32 products)' if args.tf32 else ''}")
-    rows = []
-    if args.lm_head:
-        print(f"{'shape':14} {'rows':>5} {'floor':>7} {'cublas':>7} {'fused':>7}  max error vs float64 (cublas, fused)")
-        for name in args.shapes.split(","):
-            for count in (int(r) for r in args.rows.split(",")):
-                row = time_lm_head(name, count, args.sweep, bandwidth, dtype)
-                rows.append(row)
-                print(f"{name:14} {count:5d} {row['floor_ms']:7.4f} {row['cublas_ms']:7.4f} {row['fused_ms']:7.4f}  "
-                      f"{row['cublas_error']:.3g} {row['fused_error']:.3g}", flush=True)
-                for setting in sorted(row.get("sweep", []), key=lambda s: s.get("ms", 1e9))[:4]:
-                    print("    sweep", setting, flush=True)
-        args.shapes = ""  # the layer points are not timed
-    else:
-        print(f"{'shape':14} {'rows':>5} {'floor':>7} {'torch':>7} {'compiled':>8} {'fused':>7}  per kernel (ms)")
-    for name in filter(None, args.shapes.split(",")):
-        for count in (int(r) for r in args.rows.split(",")):
-            row = time_point(name, count, args.sweep, bandwidth, dtype)
-            rows.append(row)
-            kernels = " ".join(f"{k}={v:.4f}" for k, v in row["kernels_ms"].items())
-            print(f"{name:14} {count:5d} {row['floor_ms']:7.4f} {row['torch_ms']:7.4f} {row['compiled_ms']:8.4f} "
-                  f"{row['fused_ms']:7.4f}  {kernels}  err={row['max_abs_error']:.3g}", flush=True)
-            for setting in sorted(row.get("sweep", []), key=lambda s: s.get("ms", 1e9))[:5]:
-                print("    sweep", setting, flush=True)
+    rows = (lm_head_rows if args.lm_head else layer_rows)(args, bandwidth, dtype)
     if args.json:
         with open(args.json, "w") as file:
             json.dump(rows, file, indent=1)
