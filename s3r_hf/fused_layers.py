@@ -6,10 +6,10 @@ layer launches about eleven kernels besides the attention (docs/benchmarks.md, "
 
     norm_qkv_rope (+ K/V write) -> attention -> linear_residual (O) -> norm_gate_up_silu -> linear_residual (down)
 
-four launches and the attention's own (`s3r_hf.kernels.layer_triton`; `layer_reference` on CPU); a float32 model's LM
-head runs as one Triton GEMM on tensor cores. Forwards of more than `FUSED_MAX_TOKENS` packed tokens (prefill chunks)
-run the layer's own forward, compiled where `compile_layers` says so: at those sizes a tuned GEMM library beats these
-kernels and launches do not matter.
+four launches and the attention's own (`s3r_hf.kernels.layer_triton`; `layer_reference` on CPU). Forwards of more
+than `FUSED_MAX_TOKENS` packed tokens (prefill chunks) run the layer's own forward, compiled where `compile_layers`
+says so: at those sizes a tuned GEMM library beats these kernels and launches do not matter. (A float32 LM head runs
+on tensor cores in every engine forward, fused layers or not: `s3r_hf.lm_head`.)
 
 Under autocast to another dtype than the weights' (`accelerate`'s mixed precision), the layers run their own forward:
 the kernels compute in the weights' dtype.
@@ -29,16 +29,14 @@ from types import ModuleType
 
 import torch
 from transformers import PreTrainedModel
-from transformers.utils import logging
 
 from s3r_hf.attention import s3r_attention_forward
 from s3r_hf.compiled_layers import decoder_layers, replaced_forwards
 from s3r_hf.fused_projections import FusedLinearSlice
 from s3r_hf.kernels import get_layer_backend
+from s3r_hf.lm_head import autocast_changes
 from s3r_hf.model_session import owns
 from s3r_hf.validation import UnsupportedModelError
-
-logger = logging.get_logger(__name__)
 
 # Packed tokens up to which a forward runs fused: every draft pass, dense step and verify block of up to 146 rows
 # of seven queries; prefill chunks above it run the layer's own forward.
@@ -153,58 +151,22 @@ def fused_forward(parts: LayerParts, ops: ModuleType, hidden_states: torch.Tenso
 
 @contextlib.contextmanager
 def fused_decoder_layers(model: PreTrainedModel) -> Iterator[None]:
-    """Run the block with every decoder layer's engine forwards of up to `FUSED_MAX_TOKENS` tokens fused, and a float32
-    LM head's; other forwards, and forwards in other threads, go to the module's forward as it was on entry (compiled
-    or not)."""
+    """Run the block with every decoder layer's engine forwards of up to `FUSED_MAX_TOKENS` tokens fused; other
+    forwards, and forwards in other threads, go to the layer's forward as it was on entry (compiled or not)."""
     layers = decoder_layers(model)
     parts = {layer: layer_parts(layer) for layer in layers}
     ops = get_layer_backend(model.device)  # chosen once per call, not per layer and forward
-    heads = [head for head in [model.get_output_embeddings()] if _fusable_head(head)]
-    with (
-        replaced_forwards(layers, lambda layer, own: _dispatch(model, parts[layer], ops, own)),
-        replaced_forwards(heads, lambda head, own: _head_dispatch(model, head, ops, own)),
-    ):
+    with replaced_forwards(layers, lambda layer, own: _dispatch(model, parts[layer], ops, own)):
         yield
-
-
-def _fusable_head(head: torch.nn.Module | None) -> bool:
-    """A float32 LM head runs fused: cuBLAS's float32 GEMM at a verify block's rows runs on the CUDA cores, several
-    times slower than the Triton kernel's tensor-core products (docs/benchmarks.md). Other dtypes keep cuBLAS."""
-    return type(head) is torch.nn.Linear and head.bias is None and head.weight.dtype == torch.float32
 
 
 def _dispatch(model: PreTrainedModel, parts: LayerParts, ops: ModuleType, own: Callable) -> Callable:
     def forward(hidden_states, *args, **kwargs):
         if (
             args or "s3r_step" not in kwargs or hidden_states.shape[1] > FUSED_MAX_TOKENS or hidden_states.shape[0] != 1
-            or not owns(model) or _autocast_changes(parts.q.weight.dtype, hidden_states.device)
+            or not owns(model) or autocast_changes(parts.q.weight.dtype, hidden_states.device)
         ):
             return own(hidden_states, *args, **kwargs)
         return fused_forward(parts, ops, hidden_states, kwargs)
 
     return forward
-
-
-def _head_dispatch(model: PreTrainedModel, head: torch.nn.Linear, ops: ModuleType, own: Callable) -> Callable:
-    def forward(hidden_states):
-        if (
-            hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] > FUSED_MAX_TOKENS
-            or not owns(model) or _autocast_changes(head.weight.dtype, hidden_states.device)
-        ):
-            return own(hidden_states)
-        return ops.lm_head(hidden_states[0], head.weight)[None]
-
-    return forward
-
-
-def _autocast_changes(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether autocast would run products of `dtype` weights in another dtype. The Triton kernels compute in the
-    weights' dtype whatever autocast says (a float32 model under `accelerate`'s bf16 mixed precision, whose forward
-    runs under autocast), so such a layer runs its own forward, as the model computes it."""
-    if not torch.is_autocast_enabled(device.type) or torch.get_autocast_dtype(device.type) == dtype:
-        return False
-    logger.warning_once(
-        "S3RConfig.fused_layers: autocast runs this model's %s layers in %s, which the fused kernels do not; the "
-        "layers run their own forward", dtype, torch.get_autocast_dtype(device.type),
-    )
-    return True

@@ -18,6 +18,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import s3r_hf
 from s3r_hf import S3RConfig, fused_layers
 from s3r_hf.kernels import layer_reference
+from s3r_hf.lm_head import autocast_changes
 from s3r_hf.matmul_precision import float32_matmul_precision
 from s3r_hf.validation import UnsupportedModelError
 from tests.conftest import TINY, left_padded_batch, tiny_model
@@ -157,25 +158,6 @@ def test_lm_head_matches_reference(dtype, rows):
     assert actual.shape == (rows, 300) and actual.dtype == dtype
     _close(actual, layer_reference.lm_head(x, weight), dtype)
     assert layer_triton.lm_head(x[:0], weight).shape == (0, 300)
-
-
-def test_float32_lm_heads_run_fused_in_engine_forwards_only(monkeypatch):
-    """A float32 model's LM head runs the fused GEMM in S3R's forwards and its own forward elsewhere (a dense
-    `generate`), and the output is still dense decoding's."""
-    calls = []
-    for ops in (layer_reference, layer_triton):
-        monkeypatch.setattr(ops, "lm_head", lambda x, w, real=ops.lm_head: calls.append(x.shape[0]) or real(x, w))
-    model = s3r_hf.enable(tiny_model("llama", **FUSABLE).to(DEVICE))
-    ids, mask = left_padded_batch([9, 12], seed=9)
-    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
-    dense = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    assert not calls
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                         s3r_config=S3RConfig(min_budget=4, fused_layers=True, adaptive=False, draft_len=3))
-    assert torch.equal(out, dense)
-    assert calls and 2 * 4 in calls  # the verify block of two requests, four queries each
-    assert "forward" not in model.lm_head.__dict__
-    assert not fused_layers._fusable_head(tiny_model("llama", **FUSABLE).to(torch.bfloat16).lm_head)
 
 
 def test_float32_products_follow_torchs_tf32_switch(launch):
@@ -342,8 +324,8 @@ def test_under_autocast_to_another_dtype_the_layers_run_their_own_forward(count_
     for fused_scores, own_scores in zip(outputs[True].scores, outputs[False].scores):
         assert torch.equal(fused_scores, own_scores)
     with torch.autocast(DEVICE.type, dtype=autocast_dtype):
-        assert not fused_layers._autocast_changes(autocast_dtype, DEVICE)
-        assert fused_layers._autocast_changes(torch.float32, DEVICE)
+        assert not autocast_changes(autocast_dtype, DEVICE)
+        assert autocast_changes(torch.float32, DEVICE)
 
 
 def test_unfusable_models_are_refused_with_the_reason():

@@ -28,6 +28,7 @@ from s3r_hf.engine.scheduler import Scheduler
 from s3r_hf.engine.view_updates import IndexViewUpdates
 from s3r_hf.fused_layers import fused_decoder_layers
 from s3r_hf.kernels import triton_variants
+from s3r_hf.lm_head import float32_lm_head
 from s3r_hf.request import Request
 from s3r_hf.runtime_state import ModelRuntime
 from s3r_hf.stats import S3RStats
@@ -145,7 +146,7 @@ class S3REngine:
         # Wall time is split between prefill and decoding at the switches between them only (the device is
         # synchronized there when timing), so consecutive rounds keep overlapping as they do untimed.
         phase, phase_started = None, 0.0
-        with s3r_attention(self.model, packed=True), compiled, fused_layers:
+        with s3r_attention(self.model, packed=True), compiled, fused_layers, float32_lm_head(self.model):
             while self.scheduler.has_work():
                 step = self.scheduler.schedule()
                 step_phase = "prefill" if step.kind == "prefill" else "decode"  # a mixed step's time is decoding's
