@@ -27,8 +27,9 @@
 #
 # Steps (any order after `setup`):
 #   setup        install the wheels, join the model's parts, print the versions and the GPU
-#   tests        CUDA tests: Triton kernels, graphs, compiled layers, greedy exactness, early launches, the sampler
-#                (its sync-debug check), offload and restore on their own stream ($TESTS overrides the list)
+#   tests        CUDA tests: Triton kernels, graphs, compiled and fused layers, the LM head, greedy exactness, the
+#                device guard, early launches, the sampler (its sync-debug check), offload and restore on their own
+#                stream ($TESTS overrides the list)
 #   all-tests    tests, gtests and adaptive-tests at once, three pytest processes on the one GPU (about 4 minutes
 #                instead of the three steps' sum; correctness only, no timing runs beside them)
 #   gtests       the sampling G-tests on CUDA (eager, graphed, graphed + compiled; the drafter's power check) and the
@@ -171,8 +172,8 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     fi
     ;;
   tests)
-    S3R_HF_TEST_DEVICE=cuda timeout 300 python3 -m pytest -p no:warnings -p no:cacheprovider -rs \
-      ${TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_compiled_layers.py tests/test_greedy_exactness.py tests/test_accept_stage.py tests/test_prelaunch.py tests/test_sampler.py tests/test_memory_release.py tests/test_kv_offload.py tests/test_draft_precision.py tests/test_fused_layers.py tests/test_prefill_attention.py tests/test_aimd.py::test_greedy_output_equals_dense_while_the_limit_moves} \
+    S3R_HF_TEST_DEVICE=cuda timeout 420 python3 -m pytest -p no:warnings -p no:cacheprovider -rs \
+      ${TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_compiled_layers.py tests/test_greedy_exactness.py tests/test_accept_stage.py tests/test_prelaunch.py tests/test_sampler.py tests/test_memory_release.py tests/test_kv_offload.py tests/test_draft_precision.py tests/test_fused_layers.py tests/test_lm_head.py tests/test_device_placement.py tests/test_prefill_attention.py tests/test_aimd.py::test_greedy_output_equals_dense_while_the_limit_moves} \
       2>&1 | tee "$OUT/tests.log" | tail -15
     ;;
   all-tests)
@@ -183,7 +184,7 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     for log in tests gtests adaptive_tests; do echo "== $log"; tail -4 "$OUT/$log.log"; done
     ;;
   gtests)
-    S3R_HF_TEST_DEVICE=cuda timeout 300 python3 -m pytest -p no:warnings -p no:cacheprovider -rs \
+    S3R_HF_TEST_DEVICE=cuda timeout 420 python3 -m pytest -p no:warnings -p no:cacheprovider -rs \
       tests/test_exactness_sampling.py tests/test_exactness_long.py 2>&1 | tee "$OUT/gtests.log" | tail -15
     ;;
   tune)
