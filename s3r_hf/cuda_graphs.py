@@ -66,7 +66,7 @@ class _CapturedStep:
     plan: StepPlan
     input_ids: torch.Tensor  # [1, B]
     logits: torch.Tensor | None = None  # [B, V], the graph's output
-    live_segments: int | None = None  # the count last written to `plan.dense.live_segments`
+    live_segments: int | None = None  # the count last written to `plan.dense.live_segments` (block graphs)
 
 
 @dataclass
@@ -265,10 +265,12 @@ class DecodeGraphs:
         static.block_tables[:count, : inputs.block_tables.shape[1]].copy_(inputs.block_tables)
 
     def _static_step(self, kind: str, bucket: int, width: int) -> _CapturedStep:
-        """Static buffers of a step graph of `bucket` rows. Its dense attention reads how many rows (a block graph:
-        requests) are real (`DenseSegments.live_segments`, set by `_fill`) and splits their keys as a grid of that
-        many would: a graph replayed for a tail of a few rows would otherwise leave each one's keys to the few
-        long-running programs chosen for all of its padding rows."""
+        """Static buffers of a step graph of `bucket` rows. A block graph's attention reads how many requests are
+        real (`DenseSegments.live_segments`, set by `_fill`) and splits their keys as a grid of that many would: a
+        graph replayed for a tail of a few requests would otherwise leave each one's keys to the few long-running
+        programs chosen for all of its padding segments. (Dense-step graphs keep the count of their bucket: with the
+        live count there too, engine AR's float32 GRPO rollouts were slower, which the kernel's own timings do not
+        explain; docs/benchmarks.md, log of 2026-12-03.)"""
         device = self.cache.device
         long = dict(dtype=torch.long, device=device)
         int32 = dict(dtype=torch.int32, device=device)
@@ -276,14 +278,13 @@ class DecodeGraphs:
         block_tables = torch.zeros(bucket, self.max_pages, **int32)
         plan = StepPlan(write_index=torch.zeros(bucket, **long), position_ids=torch.zeros(1, bucket, **long))
         # The attention kernels size their grids' key splits from the bucket and `max_context` / `max_keys`, all
-        # fixed for a graph (`triton_backend._num_splits`, `sparse_splits`); the dense kernel then uses as many of
-        # them as suit the rows of each replay (`live_segments`).
+        # fixed for a graph (`triton_backend._num_splits`, `sparse_splits`); a block graph's kernel then uses as
+        # many of them as suit the requests of each replay (`live_segments`).
         if kind == "dense":
             plan.dense = DenseSegments(
                 query_index=None, cu_seqlens=torch.arange(bucket + 1, **int32), positions=positions,
                 block_tables=block_tables, score_starts=None, history_lens=torch.zeros(bucket, **long),
                 num_candidates=0, max_query_len=1, max_context=self.max_context, num_splits=None,
-                live_segments=torch.full((1,), bucket, **int32),
             )
         elif kind in _BLOCK_KINDS:
             tokens = bucket * width
@@ -330,11 +331,10 @@ class DecodeGraphs:
         if width < target.block_tables.shape[1] or rows < target.block_tables.shape[0]:
             target.block_tables.zero_()
         target.block_tables[:rows, :width].copy_(source.block_tables)
-        live = rows if kind in _BLOCK_KINDS else count
-        if static.dense is not None and live != step.live_segments:  # a launch only when the count changes
-            target.live_segments.fill_(live)
-            step.live_segments = live
         if kind in _BLOCK_KINDS:
+            if rows != step.live_segments:  # a launch only when the row count changes
+                target.live_segments.fill_(rows)
+                step.live_segments = rows
             # Real segments first; all unused token slots form one padding segment; later segments are empty.
             target.cu_seqlens[: rows + 1].copy_(source.cu_seqlens)
             target.cu_seqlens[rows + 1 :].fill_(static.write_index.shape[0])

@@ -66,9 +66,10 @@ def test_buckets_captured_in_a_call_and_replayed_by_later_calls():
     assert graphs._key("draft", 3, 0, width=6)[1] == 256
 
 
-def test_a_replay_tells_the_dense_attention_how_many_rows_are_real():
-    """A graph replayed for fewer rows than it holds (a tail's widened verify graph, a larger bucket) sizes its key
-    splits for the real rows, through `DenseSegments.live_segments`, which each fill sets."""
+def test_a_block_graph_replay_tells_the_attention_how_many_requests_are_real():
+    """A verify graph replayed for fewer requests than it holds (a tail's widened verify graph, a larger bucket) sizes
+    its key splits for the real ones, through `DenseSegments.live_segments`, which each fill sets; a dense-step
+    graph keeps its bucket's split count."""
     cache = SimpleNamespace(page_size=4, device=torch.device("cpu"), scratch_page=0, padding_slot=0)
     graphs = DecodeGraphs(cache, forward=None, max_pages=8, draft_len=6, max_candidates=16)
     verify = graphs._static_step("verify", 32, 7)
@@ -92,7 +93,7 @@ def test_a_replay_tells_the_dense_attention_how_many_rows_are_real():
             history_lens=torch.zeros(rows, dtype=torch.long), num_candidates=0, max_query_len=1, max_context=32,
         )
         graphs._fill("dense", dense, torch.zeros(rows, dtype=torch.long), one, rows)
-        assert dense.plan.dense.live_segments.tolist() == [rows]
+        assert dense.plan.dense.live_segments is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
