@@ -118,11 +118,11 @@ class S3RConfig:
             the scores the drafts were sampled from, so the samples are exact either way; TF32 can only change how
             often drafts are accepted. On an H200 a float32 SmolLM2 round at 16-32 rows cost 12% less with TF32
             drafts at the same acceptance (`docs/benchmarks.md`). The Triton kernels follow the same setting: with
-            `fused_layers` a TF32 draft pass runs one TF32 product per product instead of three, and so does the
-            sparse draft attention. With `compile_layers` the layers compile once more for the TF32 setting
-            (torch.compile guards on it). torch keeps the setting per process: while an eager draft pass runs (or a
-            draft graph is captured), another thread's float32 matmuls run in TF32 too; replays of captured graphs
-            do not set it. Other dtypes ignore it.
+            `fused_layers` a TF32 draft pass runs one TF32 product per product instead of three, and so do the
+            sparse draft attention and the LM head. With `compile_layers` the layers compile once more for the TF32
+            setting (torch.compile guards on it). torch keeps the setting per process: while an eager draft pass runs
+            (or a draft graph is captured), another thread's float32 matmuls run in TF32 too; replays of captured
+            graphs do not set it. Other dtypes ignore it.
         keep_state (`bool`, defaults to `True`):
             Keep the KV pool, the CUDA graphs and the fused weights for the model's next call, which reuses them
             when its requests fit (an RL loop's steps do): later calls capture no graphs and allocate no pool.
