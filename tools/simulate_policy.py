@@ -9,9 +9,11 @@ a round costs fewer dense steps than at many) and commits 1 + the drafts kept
 and the first dense step after drafting `--switch-back-ms` more. `--lengths` lets the rule choose draft lengths
 between 0 and `--draft-len` (the engine's rule chooses the two ends); a round of `k` costs `--round-ms` less
 `--draft-pass-ms` for each pass short of `--draft-len`, and draft `j` is accepted with `--alpha` times
-`--alpha-decay` to the `j - 1` (acceptance falls along a draft). The rule sees the round costs the engine would
-report (rounds that follow a round of the same length) and the acceptance of every drafting round, and keeps what
-it learned from call to call, as the engine's kept state does. Costs get ±10% noise.
+`--alpha-decay` to the `j - 1` (acceptance falls along a draft); with `--alpha-spread` each request has its own
+`--alpha`, drawn uniformly within that distance of it, so the requests of a call advance at different rates. The
+rule sees the round costs the engine would report (rounds that follow a round of the same length) and the
+acceptance of every drafting round, and keeps what it learned from call to call, as the engine's kept state does.
+Costs get ±10% noise.
 
     python tools/simulate_policy.py --round-ms 7.9     # SmolLM2 B=64 in bf16: drafting near break-even
     python tools/simulate_policy.py --dense-ms 3 --round-ms 90 --batch 32 --max-new-tokens 4096   # fp32
@@ -19,6 +21,8 @@ it learned from call to call, as the engine's kept state does. Costs get ±10% n
         --batch 256 --max-new-tokens 4096 --capped-share 0.02     # SmolLM2 B=256, bf16: drafting pays in the tail
     python tools/simulate_policy.py --dense-ms 5.5 --round-ms 22 --draft-pass-ms 2.6 --alpha 0.95 \
         --alpha-decay 0.97 --batch 32 --max-new-tokens 4096 --capped-share 0.45 --lengths 0,2,3,4,6   # fp32 GRPO
+    python tools/simulate_policy.py --dense-ms 3.3 --round-ms 16.3 --tail-rows 8 --tail-round-ms 14.9 --alpha 0.95 \
+        --alpha-decay 0.98 --batch 16 --max-new-tokens 4096 --capped-share 1 --alpha-spread 0.1  # rows that part
 """
 
 from __future__ import annotations
@@ -33,8 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from s3r_hf.draft_policy import RoundShape, adaptive_for  # noqa: E402
 
 
-def simulate(policy, lengths: list[int], args: argparse.Namespace, rng: random.Random) -> tuple[float, int]:
-    """Seconds of one call under `policy` (None: dense steps only), and the drafting rounds it ran."""
+def simulate(
+    policy, lengths: list[int], alphas: list[float], args: argparse.Namespace, rng: random.Random
+) -> tuple[float, int]:
+    """Seconds of one call under `policy` (None: dense steps only), and the drafting rounds it ran; request `i` has
+    `lengths[i]` tokens to commit and accepts each first draft with probability `alphas[i]`."""
     remaining, contexts = list(lengths), [args.prompt_len] * len(lengths)
     seconds, previous, stale, drafting = 0.0, None, True, 0
     while remaining:
@@ -51,14 +58,19 @@ def simulate(policy, lengths: list[int], args: argparse.Namespace, rng: random.R
             round_ms -= (args.draft_len - k) * args.draft_pass_ms
             cost = round_ms / 1e3 * noise
             kept = []
-            for _ in remaining:
+            for alpha in alphas:
                 n = 0
-                while n < k and rng.random() < args.alpha * args.alpha_decay**n:
+                while n < k and rng.random() < alpha * args.alpha_decay**n:
                     n += 1
                 kept.append(n)
+            if args.observe == "lagging":  # only the requests with the most left to commit: those that end the call
+                lagging = sorted(remaining)[len(remaining) // 2]
+                seen = [n for r, n in zip(remaining, kept) if r >= lagging]
+            else:
+                seen = kept
             remaining = [r - n - 1 for r, n in zip(remaining, kept)]
             contexts = [c + n + 1 for c, n in zip(contexts, kept)]
-            policy.observe_acceptance([k] * len(kept), kept)
+            policy.observe_acceptance([k] * len(seen), seen)
             drafting += 1
         else:
             cost = args.dense_ms / 1e3 * noise + (args.switch_back_ms / 1e3 if previous else 0.0)
@@ -70,6 +82,7 @@ def simulate(policy, lengths: list[int], args: argparse.Namespace, rng: random.R
         previous, seconds = k, seconds + cost
         running = [i for i, r in enumerate(remaining) if r > 0]
         remaining, contexts = [remaining[i] for i in running], [contexts[i] for i in running]
+        alphas = [alphas[i] for i in running]
     return seconds, drafting
 
 
@@ -80,11 +93,17 @@ def main() -> None:
     parser.add_argument("--refresh-ms", type=float, default=2.6)
     parser.add_argument("--switch-back-ms", type=float, default=0.7)
     parser.add_argument("--alpha", type=float, default=0.8)
+    parser.add_argument("--alpha-spread", type=float, default=0.0,
+                        help="each request's alpha is drawn uniformly from alpha ± this (at most 1)")
     parser.add_argument("--alpha-decay", type=float, default=1.0, help="draft j is accepted with alpha * decay^(j-1)")
     parser.add_argument("--draft-pass-ms", type=float, default=0.0,
                         help="what a round saves per draft pass short of --draft-len (with --lengths)")
     parser.add_argument("--lengths", default=None,
                         help="draft lengths the rule may choose, e.g. 0,2,4,6 (default: 0 and --draft-len)")
+    parser.add_argument("--observe", choices=["all", "lagging"], default="all",
+                        help="the requests whose acceptance the rule sees: all (the engine's rule), or the half with "
+                        "the most tokens left (a rule that weighs the requests that end the call; it knows the "
+                        "lengths, which the engine does not)")
     parser.add_argument("--draft-len", type=int, default=6)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=2048)
@@ -110,8 +129,9 @@ def main() -> None:
             args.max_new_tokens if rng.random() < args.capped_share else rng.randint(100, args.max_new_tokens - 200)
             for _ in range(args.batch)
         ]
-        adaptive, drafting = simulate(policy, lengths, args, rng)
-        dense, _ = simulate(None, lengths, args, rng)
+        alphas = [min(1.0, args.alpha + args.alpha_spread * (2 * rng.random() - 1)) for _ in lengths]
+        adaptive, drafting = simulate(policy, lengths, alphas, args, rng)
+        dense, _ = simulate(None, lengths, alphas, args, rng)
         print(f"call {call + 1}: adaptive {adaptive:.3f} s, dense {dense:.3f} s, adaptive ÷ dense speed "
               f"{dense / adaptive:.3f}, drafting rounds {drafting}")
 
