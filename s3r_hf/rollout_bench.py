@@ -260,6 +260,8 @@ def summarise(calls: list[dict[str, Any]]) -> dict[str, Any]:
             dense_steps=totals["dense_steps"],
             # Drafting steps per index-view refresh: 1 when every round refreshes (the paper).
             rounds_per_refresh=drafting_steps / totals["view_refreshes"] if totals["view_refreshes"] else 0.0,
+            # The spread of the requests' own acceptance rates in the last call (rows that part under speculation).
+            acceptance_by_request=calls[-1]["stats"].get("acceptance_by_request", {}),
         )
     return summary
 
@@ -396,9 +398,11 @@ def print_point(point: dict[str, Any], console: Console) -> None:
                    "max len"):
         speed.add_column(header, justify="left" if header == "mode" else "right", no_wrap=True)
     engine = Table(title=f"{title}: engine", caption="seconds per warm call; τ: tokens per request-round, dense "
-                   "steps included; MAL: vLLM's mean acceptance length, 1 + accepted / drafts; dense: share of "
-                   "request-rounds that drafted nothing; N: drafting steps per index-view refresh")
-    for header in ("mode", "prefill", "decode", "captures (n)", "other", "τ", "MAL", "accept", "dense", "N"):
+                   "steps included; MAL: vLLM's mean acceptance length, 1 + accepted / drafts; p10–p90: the "
+                   "requests' own acceptance rates in the last call; dense: share of request-rounds that drafted "
+                   "nothing; N: drafting steps per index-view refresh")
+    for header in ("mode", "prefill", "decode", "captures (n)", "other", "τ", "MAL", "accept", "p10–p90", "dense",
+                   "N"):
         engine.add_column(header, justify="left" if header == "mode" else "right", no_wrap=True)
     for mode, result in point["modes"].items():
         s = result.get("summary")
@@ -420,7 +424,8 @@ def print_point(point: dict[str, Any], console: Console) -> None:
                 mode, f"{s['warm_prefill_s']:.2f}", f"{s['warm_decode_s']:.2f}",
                 f"{s['warm_graph_capture_s']:.2f} ({s['warm_graph_captures']:.0f})", f"{s['warm_other_s']:.2f}",
                 f"{s['tau']:.2f}", f"{s['mean_acceptance_length']:.2f}" if drafts else "-",
-                f"{s['acceptance_rate']:.3f}" if drafts else "-", f"{s['dense_step_share']:.0%}",
+                f"{s['acceptance_rate']:.3f}" if drafts else "-", _spread(s.get("acceptance_by_request", {})),
+                f"{s['dense_step_share']:.0%}",
                 f"{s['rounds_per_refresh']:.2f}" if s["rounds_per_refresh"] else "-",
             )
     console.print(speed)
@@ -430,6 +435,11 @@ def print_point(point: dict[str, Any], console: Console) -> None:
     if engine.row_count:
         console.print(engine)
         console.print(rows_table(point, title))
+
+
+def _spread(by_request: dict[str, float]) -> str:
+    """`p10–p90` of the requests' own acceptance rates, or `-` where too few requests drafted."""
+    return f"{by_request['p10']:.2f}–{by_request['p90']:.2f}" if by_request else "-"
 
 
 def rows_table(point: dict[str, Any], title: str) -> Table:

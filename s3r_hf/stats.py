@@ -89,9 +89,18 @@ class S3RStats:
     # `{"seconds", "steps", "tokens"}` each, the seconds being host wall time from one step's start to the next's
     # (a prefill step's interval is left out). Shows where a call's time goes, e.g. its tail of a few long responses.
     decode_by_rows: dict[int, dict[str, float]] = field(default_factory=dict)
+    # Draft tokens proposed and accepted per request (the key: its batch row). The rows of a call accept at different
+    # rates, so under speculation they advance at different rates where dense decoding moves them in step, and a call
+    # that runs to `max_new_tokens` ends with its least-accepting rows (docs/benchmarks.md, "rows that accept
+    # differently"); `acceptance_by_request` summarises the spread.
+    request_acceptance: dict[int, list[int]] = field(default_factory=dict)
 
-    def record_round(self, num_drafted: list[int], num_accepted: list[int], num_committed: list[int]) -> None:
-        """Add one verification round; one entry per request verified in it.
+    def record_round(
+        self, num_drafted: list[int], num_accepted: list[int], num_committed: list[int],
+        batch_rows: list[int] | None = None,
+    ) -> None:
+        """Add one verification round; one entry per request verified in it (`batch_rows`: the requests' batch rows, for
+        `request_acceptance`).
 
         An entry with `num_drafted == 0` is a dense step of that request (one token from one dense position); it
         counts in `rounds`, `committed` and τ, and in `dense_steps` instead of `num_drafts`.
@@ -114,6 +123,11 @@ class S3RStats:
         for length, times in lengths.items():
             self.draft_length_counts[length] = self.draft_length_counts.get(length, 0) + times
         self.drafted += sum(num_drafted)
+        for row, drafted, accepted in zip(batch_rows or (), num_drafted, num_accepted):
+            if drafted:
+                counts = self.request_acceptance.setdefault(row, [0, 0])
+                counts[0] += drafted
+                counts[1] += accepted
         self._grow(max(num_drafted, default=0))
         self._count_positions(self.position_drafted, num_drafted)
         # A position counts as accepted only where it was drafted.
@@ -193,6 +207,18 @@ class S3RStats:
         if self.num_drafts:
             return 1.0 + self.accepted / self.num_drafts
         return 1.0 if self.request_rounds else 0.0
+
+    def acceptance_by_request(self, min_drafted: int = 24) -> dict[str, float]:
+        """The spread of the requests' own acceptance rates (accepted over drafted tokens), over requests that drafted
+        at least `min_drafted` tokens: `{"requests", "p10", "p50", "p90"}`; empty when none did."""
+        rates = sorted(a / d for d, a in self.request_acceptance.values() if d >= min_drafted)
+        if not rates:
+            return {}
+
+        def quantile(q: float) -> float:
+            return rates[min(len(rates) - 1, round(q * (len(rates) - 1)))]
+
+        return {"requests": len(rates), "p10": quantile(0.1), "p50": quantile(0.5), "p90": quantile(0.9)}
 
     @property
     def tau(self) -> float:
@@ -278,4 +304,5 @@ class S3RStats:
             "mean_acceptance_length": self.mean_acceptance_length,
             "tau": self.tau,
             "per_position_acceptance": self.per_position_acceptance,
+            "acceptance_by_request": self.acceptance_by_request(),
         }

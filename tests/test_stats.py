@@ -108,3 +108,33 @@ def test_a_call_accounts_its_decode_time_and_tokens_by_rows():
     assert sum(entry["tokens"] for entry in by_rows.values()) == stats.committed
     seconds = sum(entry["seconds"] for entry in by_rows.values())
     assert 0 < seconds <= stats.decode_seconds + 1e-6 or stats.decode_seconds == 0
+
+
+def test_each_requests_own_acceptance_and_its_spread():
+    """Requests accept at their own rates; dense steps are no drafts of theirs, and requests that drafted too little
+    are left out of the spread."""
+    stats = S3RStats()
+    for _ in range(10):
+        stats.record_round([3, 3, 3, 0], [3, 1, 0, 0], [4, 2, 1, 1], batch_rows=[0, 1, 2, 3])
+    stats.record_round([3], [0], [1], batch_rows=[4])  # drafted 3 tokens only
+    assert stats.request_acceptance == {0: [30, 30], 1: [30, 10], 2: [30, 0], 4: [3, 0]}
+    assert stats.acceptance_by_request() == {"requests": 3, "p10": 0.0, "p50": pytest.approx(1 / 3), "p90": 1.0}
+    assert stats.acceptance_by_request(min_drafted=1)["requests"] == 4
+    assert S3RStats().acceptance_by_request() == {}
+    assert json.loads(json.dumps(stats.to_dict()))["acceptance_by_request"]["requests"] == 3
+
+
+def test_a_call_counts_each_requests_drafts_under_its_batch_row():
+    import s3r_hf
+    from s3r_hf import S3RConfig
+    from tests.conftest import left_padded_batch, tiny_model
+
+    model = s3r_hf.enable(tiny_model("llama"))
+    ids, mask = left_padded_batch([9, 12, 7], seed=5)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=True,
+                         s3r_config=S3RConfig(min_budget=4, adaptive=False, draft_len=3))
+    stats = out.s3r_stats
+    assert set(stats.request_acceptance) == {0, 1, 2}
+    assert sum(d for d, _ in stats.request_acceptance.values()) == stats.num_draft_tokens
+    assert sum(a for _, a in stats.request_acceptance.values()) == stats.num_accepted_tokens
+    assert stats.acceptance_by_request(min_drafted=1)["requests"] == 3

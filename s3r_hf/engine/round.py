@@ -229,4 +229,4 @@ class SpeculativeRound:
             requests, proposals, logprobs, verified.target_scores, verified.logits, verified.block_starts
         )
         self.stats.steps += 1
-        self.stats.record_round(draft_counts, accepted, committed)
+        self.stats.record_round(draft_counts, accepted, committed, [request.row for request in requests])
