@@ -229,4 +229,5 @@ class SpeculativeRound:
             requests, proposals, logprobs, verified.target_scores, verified.logits, verified.block_starts
         )
         self.stats.steps += 1
-        self.stats.record_round(draft_counts, accepted, committed, [request.row for request in requests])
+        rows = [request.row for request in requests] if max_drafts > 0 else None  # a dense step counts no drafts
+        self.stats.record_round(draft_counts, accepted, committed, rows)
