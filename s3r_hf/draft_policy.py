@@ -218,7 +218,10 @@ class AdaptiveDraftLength:
         lengths: the draft lengths it may choose (default: all of `0..max_draft_len`).
         refresh_intervals: the refresh intervals it may choose (default: every round, the paper's rule).
         probe_rounds: consecutive rounds a probe runs (the engine times all but the first).
-        switch_margin: how much more tokens per second drafting must promise to replace dense decoding.
+        switch_margin: how much more tokens per second drafting must promise to replace dense decoding. Besides
+            the switch's own cost it covers what the pooled acceptance does not see: requests accept at rates of
+            their own, drafting lets them part, and where the cost of a step hardly depends on its rows (a few
+            rows, launch-bound) a call ends with its slowest requests, which gain less than the pooled rate says.
         probe_budget: the share of a bucket's time its probes may lose, by the current estimates: a probe of a
             length that loses by far (drafting on a launch-bound model, say) waits correspondingly longer.
         review_rounds: rounds a bucket keeps its choice before the estimates are compared again (probes and the
@@ -242,7 +245,7 @@ class AdaptiveDraftLength:
         lengths: tuple[int, ...] | None = None,
         refresh_intervals: tuple[int, ...] = (1,),
         probe_rounds: int = 3,
-        switch_margin: float = 0.1,
+        switch_margin: float = 0.2,
         probe_budget: float = 0.01,
         review_rounds: int = 8,
     ) -> None:

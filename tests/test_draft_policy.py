@@ -160,16 +160,17 @@ def test_the_engine_rule_takes_the_configured_lengths_and_probes_the_next_one_up
 
 
 def test_drafting_that_barely_pays_does_not_replace_dense_decoding():
-    """Switching to drafting costs a refresh step and overlap; a gain within `switch_margin` is not worth it."""
+    """Switching to drafting costs a refresh step and overlap, and requests that accept at different rates part; a
+    gain within `switch_margin` (20%) is not worth it."""
     from s3r_hf.draft_policy import adaptive_for
 
     alpha = 0.8
     tokens = 1 + sum(alpha**i for i in range(1, 7))  # E[τ(6)] at this acceptance
     barely = adaptive_for(6)
-    choices = _drive(barely, lambda k: tokens / 1.05 if k else 1.0, alpha=alpha, rounds=600)
+    choices = _drive(barely, lambda k: tokens / 1.15 if k else 1.0, alpha=alpha, rounds=600)
     assert choices[-200:].count(0) >= 190
     clearly = adaptive_for(6)
-    choices = _drive(clearly, lambda k: tokens / 1.3 if k else 1.0, alpha=alpha, rounds=600)
+    choices = _drive(clearly, lambda k: tokens / 1.35 if k else 1.0, alpha=alpha, rounds=600)
     assert choices[-200:].count(6) >= 190
     report = clearly.report()
     assert report and report[0]["choice"] == 6 and set(report[0]["seconds"]) == {0, 6}
