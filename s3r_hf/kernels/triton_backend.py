@@ -465,9 +465,10 @@ def _dense_varlen_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         _store_result(acc, m_i, l_i, *result, split, grid_splits, query, heads, dims, row_ok, dim_ok, *strides)
-    if ONE_Q_BLOCK and grid_splits > 1:  # every program arrives, those that had no keys or no split to use too
-        _finish_splits(*result, counts_ptr, segment * tl.num_programs(1) + kv_head, grid_splits, splits, query, heads,
-                       dims, row_ok, dim_ok, *strides, ROWS, BLOCK_D)
+    if ONE_Q_BLOCK:
+        if grid_splits > 1:  # every program arrives, those that had no keys or no split to use too
+            _finish_splits(*result, counts_ptr, segment * tl.num_programs(1) + kv_head, grid_splits, splits, query,
+                           heads, dims, row_ok, dim_ok, *strides, ROWS, BLOCK_D)
 
 
 def paged_dense_attention(
