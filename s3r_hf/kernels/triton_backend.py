@@ -466,9 +466,13 @@ def _dense_varlen_kernel(
             m_i = m_new
         _store_result(acc, m_i, l_i, *result, split, grid_splits, query, heads, dims, row_ok, dim_ok, *strides)
     if ONE_Q_BLOCK:
-        if grid_splits > 1:  # every program arrives, those that had no keys or no split to use too
-            _finish_splits(*result, counts_ptr, segment * tl.num_programs(1) + kv_head, grid_splits, splits, query,
-                           heads, dims, row_ok, dim_ok, *strides, ROWS, BLOCK_D)
+        # The splits the block uses arrive (its empty segment's too); those past them (`COUNT_LIVE`) stop at once,
+        # as before the merge moved here. With them arriving too, S3R's dense steps at 64 bf16 rows (a full replay
+        # leaves six of eight splits unused) measured slower in one run (docs/benchmarks.md, log of 2026-12-04).
+        if grid_splits > 1:
+            if split < splits:
+                _finish_splits(*result, counts_ptr, segment * tl.num_programs(1) + kv_head, splits, splits, query,
+                               heads, dims, row_ok, dim_ok, *strides, ROWS, BLOCK_D)
 
 
 def paged_dense_attention(
