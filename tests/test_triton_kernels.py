@@ -87,27 +87,12 @@ def test_dense_attention_matches_reference(page_size, group, scored, key_splits)
 
 @pytest.fixture
 def partial_lse(monkeypatch):
-    """The per-split LSEs `[splits, queries, heads]` of every split launch, as the kernel leaves them for the merge."""
+    """The per-split LSEs `[splits, queries, heads]` of every split launch, as `merge_splits` receives them."""
     seen = []
-    results = triton_backend._split_results
-
-    def recorded(splits, *shape):
-        partial, lse = results(splits, *shape)
-        if splits > 1:
-            seen.append(lse)
-        return partial, lse
-
-    monkeypatch.setattr(triton_backend, "_split_results", recorded)
+    merge = triton_backend.merge_splits
+    monkeypatch.setattr(triton_backend, "merge_splits", lambda out, lse, dtype, *live: seen.append(lse) or merge(
+        out, lse, dtype, *live))
     return seen
-
-
-@pytest.fixture(autouse=True)
-def arrival_counts_left_at_zero():
-    """Every split launch leaves the arrival counts it used at zero, ready for the next launch or graph replay."""
-    yield
-    assert not any(counts.any() for counts in triton_backend._arrival_counts.values()), (
-        "a split launch left its arrival counts set"
-    )
 
 
 @pytest.mark.parametrize("scored", [False, True])
@@ -185,20 +170,6 @@ def test_prefill_tilings_match_reference(tiling, group, monkeypatch):
     args = (*inputs, 0.3, torch.tensor([38, -1], device=DEVICE))
     for actual, expected in zip(triton_backend.paged_dense_attention(*args), reference.paged_dense_attention(*args)):
         torch.testing.assert_close(actual, expected, **TOL)
-
-
-@pytest.mark.usefixtures("score_source")
-def test_prompt_chunks_of_several_query_blocks_merge_their_key_splits(partial_lse, monkeypatch):
-    """Segments of several query blocks (prompt chunks) merge their key splits in a launch of their own (one query
-    block's splits merge in the attention kernel), with the same results."""
-    monkeypatch.setattr(triton_backend, "PREFILL_QUERIES", 8)
-    generator = torch.Generator().manual_seed(6)
-    inputs = dense_inputs([45, 20], [300, 52], 4, 2, generator)
-    args = (*inputs, 0.3, torch.tensor([38, -1], device=DEVICE))
-    actual = triton_backend.paged_dense_attention(*args, num_splits=3)
-    for got, expected in zip(actual, reference.paged_dense_attention(*args)):
-        torch.testing.assert_close(got, expected, **TOL)
-    assert [lse.shape[0] for lse in partial_lse] == [3]
 
 
 @pytest.mark.usefixtures("score_source")

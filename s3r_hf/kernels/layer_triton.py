@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from s3r_hf.kernels.triton_backend import ARRIVAL_SLOTS, _arrive_last, _dot_precision, arrival_counts, variant_keys
+from s3r_hf.kernels.triton_backend import _dot_precision, variant_keys
 
 BLOCK_M_OVERRIDE: int | None = None  # replaces `_block_m`'s choice (`tools/layer_kernels.py --sweep`)
 
@@ -77,6 +77,8 @@ def _norm_blocks(hidden: int, block_k: int) -> int:
 
 
 _sm_counts: dict[torch.device, int] = {}
+_arrival_counts: dict[torch.device, torch.Tensor] = {}
+_MAX_TILES = 4096
 
 
 def _sm_count(device: torch.device) -> int:
@@ -101,12 +103,16 @@ def _splits(device: torch.device, programs: int, k_blocks: int) -> tuple[int, in
 
 def _split_buffers(device: torch.device, splits: int, tiles: int, tile_elements: int):
     """`(partials, arrival counts)` of a split launch: a float32 workspace for every program's partial sums, and one
-    arrival count per output tile (`triton_backend.arrival_counts`, zero between launches)."""
-    counts = arrival_counts(device)
+    arrival count per output tile. The counts start at zero and the last program of each tile resets its count, so
+    one zeroed buffer per device serves every launch, CUDA-graph replays included (launches on one stream run one
+    after another). It is created on first use, which is outside any capture: `capture_graph` runs a warm-up first."""
+    if device not in _arrival_counts:
+        _arrival_counts[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    counts = _arrival_counts[device]
     if splits == 1:  # the kernel reads neither: any float32 pointer will do, nothing is allocated
         return counts.view(torch.float32), counts
-    if tiles > ARRIVAL_SLOTS:  # a split launch has fewer programs than SMs, so far fewer tiles than this
-        raise ValueError(f"a split launch of {tiles} output tiles; the arrival counts hold {ARRIVAL_SLOTS}")
+    if tiles > _MAX_TILES:  # a split launch has fewer programs than SMs, so far fewer tiles than this
+        raise ValueError(f"a split launch of {tiles} output tiles; the arrival counts hold {_MAX_TILES}")
     return torch.empty(splits * tiles * tile_elements, dtype=torch.float32, device=device), counts
 
 
@@ -123,6 +129,14 @@ def _store_partial(acc, partials_ptr, tile, index, TILES, NUM_ACC: tl.constexpr,
     offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     slot = (tl.program_id(2) * TILES + tile) * NUM_ACC + index
     tl.store(partials_ptr + slot * (BLOCK_M * BLOCK_N) + offsets, acc)
+
+
+@triton.jit
+def _arrive_last(counts_ptr, tile, SPLITS: tl.constexpr):
+    """Whether this program is the last of its tile's `SPLITS` to have stored its partial sums."""
+    tl.debug_barrier()  # every thread's partial is written before the count says so
+    arrived = tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    return arrived == SPLITS - 1
 
 
 @triton.jit

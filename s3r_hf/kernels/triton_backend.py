@@ -8,9 +8,7 @@
   one that moves fewer bytes): the scored rows' logits, stored by the attention kernel as it streams K and
   reduced afterwards; or a second kernel that reads only K and recomputes them with the attention's saved
   normalisers (the paper's Appendix B.1).
-- Split key ranges (flash-decoding): each program stores its partial result and the last of a row's splits to
-  finish combines them (`_finish_splits`), so a decode step, draft pass or verify block is one launch;
-  `merge_splits` combines them in a launch of its own where a segment has several query blocks (prefill).
+- `merge_splits`: the partial results of a split key range combined in one launch.
 - `write_kv`: a step's K and V into the pools in one launch.
 - `select_topk_candidates`: `torch.topk` on the GPU.
 
@@ -50,114 +48,15 @@ def _padded(n: int) -> int:
     return -(-max(n, 1) // _PAD) * _PAD
 
 
-# One int32 arrival count per output tile of a split launch (attention here, the GEMMs of `layer_triton`). The last
-# program of a tile resets its count, so the counts are zero between launches and one buffer per device serves every
-# launch and CUDA-graph replay (launches on one stream run one after another). Created on first use, which is
-# outside any capture: `capture_graph` runs a warm-up first.
-ARRIVAL_SLOTS = 1 << 16
-_arrival_counts: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counts(device: torch.device) -> torch.Tensor:
-    """The device's `ARRIVAL_SLOTS` arrival counts (zero between launches)."""
-    if device not in _arrival_counts:
-        _arrival_counts[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
-    return _arrival_counts[device]
-
-
-def _split_results(
-    splits: int, num_queries: int, num_heads: int, head_dim: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(partial results [splits, N, H, D], partial LSEs [splits, N, H])`, float32, of a split attention launch; for
-    an unsplit one, which stores its results straight to the output, a float32 placeholder for both (the kernels
-    read neither; a pointer of one dtype keeps one kernel variant)."""
-    if splits == 1:
-        placeholder = arrival_counts(device).view(torch.float32)
-        return placeholder, placeholder
-    partial = torch.empty(splits, num_queries, num_heads, head_dim, dtype=torch.float32, device=device)
-    return partial, torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=device)
-
-
-def _split_strides(out: torch.Tensor, partial: torch.Tensor, partial_lse: torch.Tensor, splits: int) -> tuple[int, ...]:
-    """`(split, query, head)` strides of the partial results and `(split, query)` of their LSEs. Unsplit, the same
-    query and head strides as a split launch's (the kernel reads none of them), so that both take one kernel variant:
-    Triton specializes integer arguments by value."""
-    if splits == 1:
-        num_heads, head_dim = out.shape[1:]
-        return 0, num_heads * head_dim, head_dim, 0, num_heads
-    return partial.stride(0), partial.stride(1), partial.stride(2), partial_lse.stride(0), partial_lse.stride(1)
-
-
-@triton.jit
-def _arrive_last(counts_ptr, tile, SPLITS):
-    """Whether this program is the last of its tile's `SPLITS` to have stored its partial result."""
-    tl.debug_barrier()  # every thread's partial is written before the count says so
-    arrived = tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    return arrived == SPLITS - 1
-
-
-@triton.jit
-def _store_result(acc, m_i, l_i, out_ptr, lse_ptr, part_ptr, part_lse_ptr, split, grid_splits, query, heads, dims,
-                  row_ok, dim_ok, stride_on, stride_oh, stride_ln, stride_ps, stride_pn, stride_ph, stride_pls,
-                  stride_pln):
-    """A program's softmax result over its keys: the output itself where the launch has one split, else this split's
-    float32 partial result and LSE (rows without keys here: lse -inf)."""
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    mask = row_ok[:, None] & dim_ok[None, :]
-    if grid_splits == 1:
-        tl.store(out_ptr + query[:, None] * stride_on + heads[:, None] * stride_oh + dims[None, :],
-                 (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(lse_ptr + query * stride_ln + heads, m_i + tl.log(l_i), mask=row_ok)
-    else:
-        tl.store(part_ptr + split * stride_ps + query[:, None] * stride_pn + heads[:, None] * stride_ph + dims[None, :],
-                 acc / l_safe[:, None], mask=mask)
-        tl.store(part_lse_ptr + split * stride_pls + query * stride_pln + heads, m_i + tl.log(l_i), mask=row_ok)
-
-
-@triton.jit
-def _finish_splits(out_ptr, lse_ptr, part_ptr, part_lse_ptr, counts_ptr, tile, grid_splits, used_splits, query, heads,
-                   dims, row_ok, dim_ok, stride_on, stride_oh, stride_ln, stride_ps, stride_pn, stride_ph, stride_pls,
-                   stride_pln, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Called by every program of a split launch after `_store_result`: the last of the tile's `grid_splits` programs
-    to arrive combines the first `used_splits` partial results of its rows, as `reference.merge_splits` does, and
-    resets the tile's count. One pass over the splits: each split's result is loaded with its LSE, not after it (a
-    split that saw no key of a row may have stored no result there: its weight is zero and the value is not used)."""
-    if _arrive_last(counts_ptr, tile, grid_splits):
-        top = tl.full([ROWS], float("-inf"), tl.float32)
-        total = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-        for split in range(used_splits):
-            part_lse = tl.load(part_lse_ptr + split * stride_pls + query * stride_pln + heads, mask=row_ok,
-                               other=float("-inf"), cache_modifier=".cg")
-            part = tl.load(
-                part_ptr + split * stride_ps + query[:, None] * stride_pn + heads[:, None] * stride_ph + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0, cache_modifier=".cg",
-            )
-            new_top = tl.maximum(top, part_lse)
-            shift = tl.where(new_top == float("-inf"), 0.0, new_top)
-            weight = tl.exp(part_lse - shift)
-            rescale = tl.exp(top - shift)
-            total = total * rescale + weight
-            acc = acc * rescale[:, None] + weight[:, None] * tl.where((part_lse > float("-inf"))[:, None], part, 0.0)
-            top = new_top
-        shift = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: zeros and lse -inf
-        tl.store(out_ptr + query[:, None] * stride_on + heads[:, None] * stride_oh + dims[None, :],
-                 (acc / tl.maximum(total, 1e-30)[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & dim_ok[None, :])
-        tl.store(lse_ptr + query * stride_ln + heads, shift + tl.log(total), mask=row_ok)
-        tl.store(counts_ptr + tile, 0)  # ready for the next launch
-
-
-@triton.jit(do_not_specialize=["stride_btn", "stride_vn", "stride_vh", "stride_ps", "stride_pls"])
+@triton.jit(do_not_specialize=["stride_btn", "stride_vn", "stride_vh", "stride_ls"])
 def _sparse_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, view_ptr, view_len_ptr, tail_ptr, pos_ptr, out_ptr, lse_ptr,
-    part_ptr, part_lse_ptr, counts_ptr,
     stride_qn, stride_qh,
     stride_kp, stride_ko, stride_kh,
     stride_btn,
     stride_vn, stride_vh,
-    stride_on, stride_oh, stride_ln,
-    stride_ps, stride_pn, stride_ph, stride_pls, stride_pln,
+    stride_os, stride_on, stride_oh,
+    stride_ls, stride_ln,
     scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -206,14 +105,13 @@ def _sparse_decode_kernel(
         v = tl.load(v_ptr + row_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    splits = tl.num_programs(2)
-    queries = tl.zeros_like(rows) + query
-    result = (out_ptr, lse_ptr, part_ptr, part_lse_ptr)
-    strides = (stride_on, stride_oh, stride_ln, stride_ps, stride_pn, stride_ph, stride_pls, stride_pln)
-    _store_result(acc, m_i, l_i, *result, split, splits, queries, heads, dims, row_ok, dim_ok, *strides)
-    if splits > 1:
-        _finish_splits(*result, counts_ptr, query * tl.num_programs(1) + kv_head, splits, splits, queries, heads, dims,
-                       row_ok, dim_ok, *strides, ROWS, BLOCK_D)
+    # Partial result of this split (an empty split stores lse = -inf and zeros); `merge_splits` combines.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    tl.store(
+        out_ptr + split * stride_os + query * stride_on + heads[:, None] * stride_oh + dims[None, :],
+        (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
+    )
+    tl.store(lse_ptr + split * stride_ls + query * stride_ln + heads, m_i + tl.log(l_i), mask=row_ok)
 
 
 def paged_sparse_attention(
@@ -247,27 +145,24 @@ def paged_sparse_attention(
         return torch.empty_like(query), torch.empty(0, num_heads, dtype=torch.float32, device=query.device)
     longest = max_keys if max_keys is not None else int(view_lens.max() + (positions - tail_starts).max() + 1)
     splits = num_splits or sparse_splits(num_queries, num_kv_heads, longest, head_dim, query.element_size())
-    if num_queries * num_kv_heads > ARRIVAL_SLOTS:  # more tiles than arrival counts (never split by the rule)
-        splits = 1
-    out = torch.empty(num_queries, num_heads, head_dim, dtype=query.dtype, device=query.device)
-    lse = torch.empty(num_queries, num_heads, dtype=torch.float32, device=query.device)
-    partial, partial_lse = _split_results(splits, num_queries, num_heads, head_dim, query.device)
+    out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
+    lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     _sparse_decode_kernel[(num_queries, num_kv_heads, splits)](
         query, key_pool, value_pool, block_tables, index_view,
         view_lens.to(torch.int32).contiguous(), tail_starts.to(torch.int32).contiguous(),
-        positions.to(torch.int32).contiguous(), out, lse, partial, partial_lse, arrival_counts(query.device),
+        positions.to(torch.int32).contiguous(), out, lse,
         query.stride(0), query.stride(1),
         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
         block_tables.stride(0),
         index_view.stride(0), index_view.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
-        *_split_strides(out, partial, partial_lse, splits),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
         scale,
         PAGE_SIZE=key_pool.shape[1], GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
         **launch_settings(head_dim, element_size=query.element_size()),
     )
-    return out, lse
+    return merge_splits(out, lse, query.dtype)
 
 
 def sparse_splits(rows: int, num_kv_heads: int, keys: int, head_dim: int, element_size: int) -> int:
@@ -361,6 +256,12 @@ def _unit_stride(query: torch.Tensor) -> torch.Tensor:
     return query if query.stride(-1) == 1 else query.contiguous()
 
 
+def _out_dtype(query: torch.Tensor, splits: int) -> torch.dtype:
+    """An unsplit kernel stores its float32 result in the query's dtype (the same single rounding as a cast
+    afterwards, one kernel fewer); split partial results stay float32 until they are merged."""
+    return query.dtype if splits == 1 else torch.float32
+
+
 @triton.jit
 def _live_splits(live_ptr, programs_per_segment, keys, TARGET_PROGRAMS: tl.constexpr, MIN_KEYS: tl.constexpr):
     """`_num_splits` on the device, for the live segments `live_ptr` holds."""
@@ -372,15 +273,14 @@ def _live_splits(live_ptr, programs_per_segment, keys, TARGET_PROGRAMS: tl.const
     return power
 
 
-@triton.jit(do_not_specialize=["stride_bts", "stride_ps", "stride_pls", "num_q_blocks"])
+@triton.jit(do_not_specialize=["stride_bts", "stride_ls", "num_q_blocks"])
 def _dense_varlen_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, pos_ptr, out_ptr, lse_ptr, part_ptr, part_lse_ptr, counts_ptr, logit_ptr,
-    score_start_ptr, live_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, pos_ptr, out_ptr, lse_ptr, logit_ptr, score_start_ptr, live_ptr,
     stride_qn, stride_qh,
     stride_kp, stride_ko, stride_kh,
     stride_bts,
-    stride_on, stride_oh, stride_ln,
-    stride_ps, stride_pn, stride_ph, stride_pls, stride_pln,
+    stride_os, stride_on, stride_oh,
+    stride_ls, stride_ln,
     stride_gs, stride_gh, stride_gr,
     scale, num_q_blocks,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
@@ -393,17 +293,14 @@ def _dense_varlen_kernel(
     # Decode steps and verify blocks have one query block per segment. Compiled knowing that, the verify with stored
     # logits runs about a quarter faster than with `num_q_blocks` only known at run time (docs/benchmarks.md, "Kernel
     # launch settings"); a flag rather than a specialized integer keeps it at two variants, whatever prefill chunks do.
-    # With one query block the last of a block's splits to finish merges them (`_finish_splits`); with several
-    # (prefill chunks) `merge_splits` does, in a launch of its own.
     if ONE_Q_BLOCK:
         q_block = 0
         split = tl.program_id(2)
-        grid_splits = tl.num_programs(2)
+        splits = tl.num_programs(2)
     else:
         q_block = tl.program_id(2) % num_q_blocks
         split = tl.program_id(2) // num_q_blocks
-        grid_splits = tl.num_programs(2) // num_q_blocks
-    splits = grid_splits
+        splits = tl.num_programs(2) // num_q_blocks
     seg_start = tl.load(cu_ptr + segment)
     seg_end = tl.load(cu_ptr + segment + 1)
     first = seg_start + q_block * BLOCK_M
@@ -420,12 +317,10 @@ def _dense_varlen_kernel(
         splits = tl.minimum(
             splits, _live_splits(live_ptr, tl.num_programs(1) * num_q_blocks, context, TARGET_PROGRAMS, MIN_KEYS))
         if split >= splits:
-            tl.store(part_lse_ptr + split * stride_pls + query * stride_pln + heads, float("-inf"), mask=row_ok)
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < HEAD_DIM
-    result = (out_ptr, lse_ptr, part_ptr, part_lse_ptr)
-    strides = (stride_on, stride_oh, stride_ln, stride_ps, stride_pn, stride_ph, stride_pls, stride_pln)
+            tl.store(lse_ptr + split * stride_ls + query * stride_ln + heads, float("-inf"), mask=row_ok)
     if first < seg_end and split < splits:
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < HEAD_DIM
         q_offsets = query[:, None] * stride_qn + heads[:, None] * stride_qh + dims[None, :]
         q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         # The block's own keys are shared out among the splits in whole tiles, not the longest context the grid was
@@ -464,15 +359,14 @@ def _dense_varlen_kernel(
             v = tl.load(v_ptr + row_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        _store_result(acc, m_i, l_i, *result, split, grid_splits, query, heads, dims, row_ok, dim_ok, *strides)
-    if ONE_Q_BLOCK:
-        # The splits the block uses arrive (its empty segment's too); those past them (`COUNT_LIVE`) stop at once,
-        # as before the merge moved here. With them arriving too, S3R's dense steps at 64 bf16 rows (a full replay
-        # leaves six of eight splits unused) measured slower in one run (docs/benchmarks.md, log of 2026-12-04).
-        if grid_splits > 1:
-            if split < splits:
-                _finish_splits(*result, counts_ptr, segment * tl.num_programs(1) + kv_head, splits, splits, query,
-                               heads, dims, row_ok, dim_ok, *strides, ROWS, BLOCK_D)
+        # Partial result of this split (rows without keys here store lse = -inf); `merge_splits` combines.
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o_offsets = split * stride_os + query[:, None] * stride_on + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(
+            out_ptr + o_offsets, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+        tl.store(lse_ptr + split * stride_ls + query * stride_ln + heads, m_i + tl.log(l_i), mask=row_ok)
 
 
 def paged_dense_attention(
@@ -542,21 +436,17 @@ def paged_dense_attention(
         # a full replay pays for each of them.
         splits = min(_num_splits(programs, max_context, _MIN_KEYS_PER_SPLIT, target=target), 4 * splits)
         counts_live = splits > 1
-    if num_q_blocks == 1 and num_segments * num_kv_heads > ARRIVAL_SLOTS:  # never split by the rule
-        splits, counts_live = 1, False
-    out = torch.empty(num_queries, num_heads, head_dim, dtype=query.dtype, device=query.device)
-    lse = torch.empty(num_queries, num_heads, dtype=torch.float32, device=query.device)
-    partial, partial_lse = _split_results(splits, num_queries, num_heads, head_dim, query.device)
+    out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
+    lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     grid = (num_segments, num_kv_heads, num_q_blocks * splits)
     _dense_varlen_kernel[grid](
-        query, key_pool, value_pool, block_tables, cu, positions, out, lse, partial, partial_lse,
-        arrival_counts(query.device), scratch,
+        query, key_pool, value_pool, block_tables, cu, positions, out, lse, scratch,
         score_starts if score_starts is not None else cu, live_segments if live_segments is not None else cu,
         query.stride(0), query.stride(1),
         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0),
-        *_split_strides(out, partial, partial_lse, splits),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
         scratch.stride(0) if logits is not None else 0,
         scratch.stride(1) if logits is not None else 0,
         scratch.stride(2) if logits is not None else 0,
@@ -566,9 +456,8 @@ def paged_dense_attention(
         **settings, STORE_LOGITS=logits is not None, ONE_Q_BLOCK=num_q_blocks == 1,
         COUNT_LIVE=counts_live, TARGET_PROGRAMS=target, MIN_KEYS=_MIN_KEYS_PER_SPLIT,
     )
-    if splits > 1 and num_q_blocks > 1:
-        out, lse = merge_splits(partial, partial_lse, query.dtype, (live_segments, programs, target) if counts_live
-                                else None)
+    live = (live_segments, programs, target) if counts_live else None
+    out, lse = merge_splits(out, lse, query.dtype, live)
     if score_starts is None:
         return out, lse, None
     if logits is not None:
@@ -772,9 +661,8 @@ def merge_splits(
     partial: torch.Tensor, partial_lse: torch.Tensor, dtype: torch.dtype,
     live: tuple[torch.Tensor, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `reference.merge_splits`: one launch instead of a dozen small torch kernels. The dense kernel's
-    launches of several query blocks per segment (prompt chunks) merge through it; decode steps, draft passes and
-    verify blocks merge in the attention kernel itself (`_finish_splits`).
+    """Triton version of `reference.merge_splits`: one launch instead of a dozen small torch kernels, so splitting a
+    short key range over more programs pays even at rollout batch sizes.
 
     `live`: `(live_segments, programs per segment, target programs)` of a dense launch that chose its split count
     on the device; only the splits it can have used are read.
