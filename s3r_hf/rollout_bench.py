@@ -17,9 +17,11 @@ few long responses run almost alone), so what it reports is what an RL user wait
 - modes, all on the same batch in one run (`--modes`): `generate` (plain `model.generate`), `ar` (the engine's dense
   decoding, `s3r_mode="ar"`), `s3r-fixed` (`S3RConfig(adaptive=False)`, the paper's fixed k) and `s3r-adaptive`
   (`S3RConfig(adaptive=True)`).
-- calls: `--calls N` per mode, the same seeds in every mode. The first call of a mode is cold (it pays the
-  compilation and autotuning nobody paid before it in this process; what one mode compiled, a later one reuses);
-  "warm" figures are over the calls after it.
+- calls: `--calls N` per mode, the same seeds in every mode, taken in turn: the first call of every mode, then the
+  second of every mode, and so on, so that the calls compared run next to each other rather than one mode's after
+  all of another's (a machine's speed drifts over a run). The first call of a mode is cold (it pays the compilation
+  and autotuning nobody paid before it in this process; what one mode compiled, a later one reuses); "warm" figures
+  are over the calls after it.
 
 Reported per mode (table, `--json`, `--plot`): tokens/s (cold and warm) and their ratios to `ar` and `generate`, the
 engine's time by phase (prefill, decode, CUDA-graph capture, the rest of the call), τ, vLLM's mean acceptance
@@ -266,33 +268,45 @@ def summarise(calls: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-def run_mode(
+def run_call(
     model: PreTrainedModel, batch: dict[str, torch.Tensor], mode: str, common: dict[str, Any], extra: dict[str, Any],
-    calls: int, seed: int, eos_ids: set[int], console: Console,
+    call: int, calls: int, seed: int, eos_ids: set[int], console: Console,
 ) -> dict[str, Any]:
-    """`calls` timed calls of one mode; the per-call records and their summary, or the error that stopped it."""
-    prompt_len = batch["input_ids"].shape[1]
-    result: dict[str, Any] = {"calls": []}
+    """Call `call` (from 0) of `mode`, timed whole: its record. Raises what the call raised."""
+    release_memory(model.device)
+    torch.manual_seed(seed + call)  # the same seeds in every mode
+    with console.status(f"{mode}: call {call + 1} of {calls}"):
+        output, seconds = timed_generate(model, batch, **common, **extra)
+    record = call_record(output, seconds, batch["input_ids"].shape[1], eos_ids, common.get("pad_token_id"))
+    del output
+    console.print(f"  {mode} call {call + 1}: {record['seconds']:.2f} s, {record['tokens']} tokens "
+                  f"({record['tokens_per_s']:,.0f} tok/s), longest {record['max_length']}", highlight=False)
+    captured = record.get("stats", {}).get("captured_graphs")
+    if call > 0 and captured:  # a kept runtime's later call should capture nothing: say what it needed
+        console.print(f"    captured: {', '.join(captured)}", highlight=False)
+    return record
+
+
+def run_modes(
+    model: PreTrainedModel, batch: dict[str, torch.Tensor], extras: dict[str, dict[str, Any]], common: dict[str, Any],
+    calls: int, seed: int, eos_ids: set[int], console: Console,
+) -> dict[str, dict[str, Any]]:
+    """`calls` timed calls of every mode (`extras`: each mode's `generate` arguments), the modes taking turns call by
+    call. Per mode, the call records and their summary, or the error that stopped its calls (the other modes go on)."""
+    results: dict[str, dict[str, Any]] = {mode: {"calls": []} for mode in extras}
     for call in range(calls):
-        release_memory(model.device)
-        torch.manual_seed(seed + call)  # the same seeds in every mode
-        try:
-            with console.status(f"{mode}: call {call + 1} of {calls}"):
-                output, seconds = timed_generate(model, batch, **common, **extra)
-        except (torch.OutOfMemoryError, KVCapacityError) as error:  # the other modes' numbers still stand
-            result["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
-            break
-        record = call_record(output, seconds, prompt_len, eos_ids, common.get("pad_token_id"))
-        del output
-        result["calls"].append(record)
-        console.print(f"  {mode} call {call + 1}: {record['seconds']:.2f} s, {record['tokens']} tokens "
-                      f"({record['tokens_per_s']:,.0f} tok/s), longest {record['max_length']}", highlight=False)
-        captured = record.get("stats", {}).get("captured_graphs")
-        if call > 0 and captured:  # a kept runtime's later call should capture nothing: say what it needed
-            console.print(f"    captured: {', '.join(captured)}", highlight=False)
-    if result["calls"]:
-        result["summary"] = summarise(result["calls"])
-    return result
+        for mode, extra in extras.items():
+            result = results[mode]
+            if "error" in result:
+                continue
+            try:
+                result["calls"].append(run_call(model, batch, mode, common, extra, call, calls, seed, eos_ids, console))
+            except (torch.OutOfMemoryError, KVCapacityError) as error:  # the other modes' numbers still stand
+                result["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
+    for result in results.values():
+        if result["calls"]:
+            result["summary"] = summarise(result["calls"])
+    return results
 
 
 def run_point(
@@ -330,12 +344,10 @@ def run_point(
                   f"B {point['batch']}, prompts {point['prompt_tokens']['min']}-{point['prompt_tokens']['max']} "
                   f"tokens, max_new_tokens {point['max_new_tokens']}" + (", greedy" if point["greedy"] else "")
                   + (f", acceptance forced to {forced} (NOT exact)" if forced is not None else ""), highlight=False)
-    for mode in settings["modes"]:
-        extra = mode_kwargs(mode, settings["s3r_config"], forced, settings["stages"])
-        point["modes"][mode] = run_mode(model, batch, mode, common, extra, settings["calls"], settings["seed"],
-                                        eos_ids, console)
-        if mode == "s3r-adaptive":  # what the rule measured per (rows, context) bucket, over all the calls
-            point["modes"][mode]["policy"] = adaptive_policy(model, extra["s3r_config"]).report()
+    extras = {mode: mode_kwargs(mode, settings["s3r_config"], forced, settings["stages"]) for mode in settings["modes"]}
+    point["modes"] = run_modes(model, batch, extras, common, settings["calls"], settings["seed"], eos_ids, console)
+    if "s3r-adaptive" in extras:  # what the rule measured per (rows, context) bucket, over all the calls
+        point["modes"]["s3r-adaptive"]["policy"] = adaptive_policy(model, extras["s3r-adaptive"]["s3r_config"]).report()
     point["ratios"] = ratios(point["modes"])
     point["same_responses_as_ar"] = same_responses(point["modes"])
     print_point(point, console)

@@ -195,3 +195,30 @@ def test_a_point_past_the_context_window_lowers_max_new_tokens():
     assert point["max_new_tokens"] == 48 - 16
     assert "max_new_tokens lowered to 32" in console.export_text()
     assert all("error" not in mode and mode["calls"] for mode in point["modes"].values())
+
+
+def test_modes_take_turns_call_by_call_and_one_that_runs_out_of_memory_stops_alone(monkeypatch):
+    """Calls alternate between modes (a machine's speed drifts over a run; the calls compared run side by side), and
+    a mode whose call runs out of memory keeps its error while the others finish their calls."""
+    import torch
+    from rich.console import Console
+
+    from s3r_hf import rollout_bench
+
+    order = []
+
+    def run_call(model, batch, mode, common, extra, call, calls, seed, eos_ids, console):
+        order.append((mode, call))
+        if mode == "s3r-fixed" and call == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return {"call": call}
+
+    monkeypatch.setattr(rollout_bench, "run_call", run_call)
+    monkeypatch.setattr(rollout_bench, "summarise", lambda calls: {"calls": len(calls)})
+    extras = {"ar": {}, "s3r-fixed": {}, "s3r-adaptive": {}}
+    results = rollout_bench.run_modes(None, {}, extras, {}, 3, 0, set(), Console(quiet=True))
+    assert order == [("ar", 0), ("s3r-fixed", 0), ("s3r-adaptive", 0), ("ar", 1), ("s3r-fixed", 1),
+                     ("s3r-adaptive", 1), ("ar", 2), ("s3r-adaptive", 2)]
+    assert results["s3r-fixed"]["error"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert [len(results[mode]["calls"]) for mode in extras] == [3, 1, 3]
+    assert results["s3r-fixed"]["summary"] == {"calls": 1}
