@@ -67,6 +67,10 @@
 #   rollout-smol the RL rollout benchmark (s3r-hf bench --rollout) on SmolLM2, bf16, graphs + compiled layers:
 #                engine AR, fixed-k S3R and adaptive S3R, every call timed whole; ROLLOUT_SMOL="PROMPTS:PRESET ..."
 #                (default "8:medium": 8 prompts x 8 generations, <= 2,048 new tokens)
+#   rollout-ab   rollout-smol in another tree and in this one, in turn twice (other, this, other, this) on one machine:
+#                a change's effect on whole calls apart from the machine's. AB_TREE: a folder holding the other
+#                commit's s3r_hf/ and tools/ (e.g. `git archive REV s3r_hf tools | tar -x -C DIR`); results under
+#                $OUT/ab_{other,this}_{1,2}
 #   rollout-qwen the same on the Qwen3-1.7B shape (random weights, forced acceptance $QWEN_ACCEPT), B=64, 8K-token
 #                prompts, 512 new tokens
 #   adaptive-tests  CUDA tests of adaptive draft lengths (greedy identity, G-test with k varying, graphs)
@@ -294,6 +298,20 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
         --generations 8 --preset ${point##*:} --calls ${ROLLOUT_CALLS:-3} --modes ${ROLLOUT_MODES:-ar,s3r-fixed,s3r-adaptive} \
         --dtype bfloat16 --cuda-graphs --compile-layers ${ROLLOUT_EXTRA:-} --json "$OUT/rollout_smol_${point/:/_}.json" 2>&1 \
         | grep -v -i warn | tee "$OUT/rollout_smol_${point/:/_}.log" | tail -45
+    done
+    ;;
+  rollout-ab)
+    [ -d "${AB_TREE:-}/s3r_hf" ] || { echo "rollout-ab needs AB_TREE, a folder with another tree's s3r_hf/ and tools/" >&2; exit 2; }
+    other=$(cd "$AB_TREE" && pwd) this=$PWD
+    # The other tree runs from its own folder: the model's and the data's paths made absolute.
+    [ -e "$SMOL_MODEL" ] && SMOL_MODEL=$(realpath "$SMOL_MODEL") && export SMOL_MODEL
+    [ -n "$DATA" ] && DATA=$(realpath "$DATA") && export DATA
+    for turn in 1 2; do
+      for tree in "$other" "$this"; do
+        name=$([ "$tree" = "$this" ] && echo this || echo other)
+        log "rollout-ab: the $name tree, turn $turn"
+        (cd "$tree" && PYTHONPATH= OUT=$OUT/ab_${name}_$turn bash "$this/tools/gpu_benchmarks.sh" rollout-smol)
+      done
     done
     ;;
   rollout-qwen)
