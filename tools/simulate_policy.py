@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--switch-margin", type=float, default=None,
                         help="AdaptiveDraftLength.switch_margin (default: the rule's own)")
+    parser.add_argument("--probe-budget", type=float, default=None,
+                        help="AdaptiveDraftLength.probe_budget (default: the rule's own)")
     args = parser.parse_args()
     if args.tail_round_ms is None:
         args.tail_round_ms = args.round_ms
@@ -124,6 +126,8 @@ def main() -> None:
     policy = adaptive_for(args.draft_len, lengths=lengths)
     if args.switch_margin is not None:
         policy.switch_margin = args.switch_margin
+    if args.probe_budget is not None:
+        policy.probe_budget = args.probe_budget
     for call in range(args.calls):
         lengths = [
             args.max_new_tokens if rng.random() < args.capped_share else rng.randint(100, args.max_new_tokens - 200)
