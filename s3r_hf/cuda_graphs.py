@@ -20,10 +20,12 @@ reaches changes from call to call, and a capture there costs more than the paddi
 that size the padding adds GEMM work to every step of the tail, in every later call, where a capture is made
 once. For the same reason a verify block of drafts whose forward would hold at most that many tokens is captured
 at the widest bucket that does (32 requests of 7 tokens): a later call's tail may draft at row counts the first
-never reached, and one graph serves them all. There is no bucket of one row: torch.compile specializes a dimension
-of size 1, so with compiled layers the first step down to one request would compile every layer's frames again,
-in whichever call (a later GRPO step) a tail first gets there. A padding row costs a one-request step nothing
-measurable (both read the same weights).
+never reached, and one graph serves them all. It is captured ahead, from padding rows, when a wider verify graph
+of its block width is first captured, so a later call's tail finds it even if the first call's never drafted there.
+
+There is no bucket of one row: torch.compile specializes a dimension of size 1, so with compiled layers the first
+step down to one request would compile every layer's frames again, in whichever call (a later GRPO step) a tail
+first gets there. A padding row costs a one-request step nothing measurable (both read the same weights).
 """
 
 from __future__ import annotations
@@ -153,6 +155,7 @@ class DecodeGraphs:
             self._fill(kind, step, input_ids, plan, count)
             step.graph, step.logits = self._capture(lambda: self.forward(step.input_ids, step.plan), key, precision)
             self.steps[key] = step
+            self._capture_tail_ahead(key, precision)
         else:
             self._fill(kind, step, input_ids, plan, count)
         step.graph.replay()
@@ -238,6 +241,48 @@ class DecodeGraphs:
             # scratch per request as long as the longest context.)
             bucket = max(b for b in BUCKETS if b * width <= REPLAY_LARGER_TOKENS)
         return (kind, bucket, capacity, width, variant)
+
+    @staticmethod
+    def tail_key(key: tuple) -> tuple | None:
+        """The key of the tail's verify graph that serves blocks of `key`'s width at fewer rows (the widest bucket
+        within `REPLAY_LARGER_TOKENS`, see `_key`), when `key` is a block graph wider than that; else None."""
+        kind, bucket, capacity, width, variant = key
+        if kind not in _BLOCK_KINDS or width == 1:
+            return None
+        tail = max((b for b in BUCKETS if b * width <= REPLAY_LARGER_TOKENS), default=None)
+        return None if tail is None or tail >= bucket else (kind, tail, capacity, width, variant)
+
+    def _capture_tail_ahead(self, key: tuple, precision: str) -> None:
+        """Capture the tail's verify graph of a block graph just captured wider than `REPLAY_LARGER_TOKENS`, from
+        padding rows alone. A sampled call's tail reaches row counts that change from call to call; captured now,
+        that graph is ready when a later call's tail first drafts at them, instead of being captured in that call."""
+        tail_key = self.tail_key(key)
+        if tail_key is None or tail_key in self.steps:
+            return
+        kind, bucket, _, width, _ = tail_key
+        step = self._static_step(kind, bucket, width)
+        self._fill_padding(kind, step)
+        step.graph, step.logits = self._capture(
+            lambda: self.forward(step.input_ids, step.plan), tail_key, precision
+        )
+        self.steps[tail_key] = step
+
+    def _fill_padding(self, kind: str, step: _CapturedStep) -> None:
+        """Static buffers of a block graph holding no request: every token slot is in the padding segment, which
+        writes its K/V to the scratch page and scores nothing. (`live_segments` keeps its bucket: the next `_fill`
+        sets the real count.)"""
+        static = step.plan.dense
+        tokens = step.input_ids.shape[1]
+        step.input_ids.zero_()
+        step.plan.position_ids.zero_()
+        step.plan.write_index.fill_(self.cache.scratch_page * self.cache.page_size)
+        static.positions.zero_()
+        static.block_tables.zero_()
+        static.cu_seqlens[0] = 0
+        static.cu_seqlens[1:].fill_(tokens)
+        static.history_lens.zero_()
+        if kind == "verify":
+            static.score_starts.fill_(-1)
 
     def _drop_stale(self, kind: str, key: tuple) -> None:
         """Index views grew (a new tensor): graphs that read the old one must not run again."""

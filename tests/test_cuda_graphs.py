@@ -66,6 +66,31 @@ def test_buckets_captured_in_a_call_and_replayed_by_later_calls():
     assert graphs._key("draft", 3, 0, width=6)[1] == 256
 
 
+def test_a_wide_verify_graph_names_its_tails_graph_to_capture_ahead_from_padding_rows():
+    """A block graph wider than `REPLAY_LARGER_TOKENS` names the tail's graph of its width (captured ahead), which
+    `_fill_padding` sets up with every token slot in the padding segment: K/V to the scratch page, nothing scored."""
+    assert DecodeGraphs.tail_key(("verify", 48, 0, 7, None)) == ("verify", 32, 0, 7, None)
+    assert DecodeGraphs.tail_key(("block", 256, 5, 3, None)) == ("block", 64, 5, 3, None)
+    assert DecodeGraphs.tail_key(("verify", 32, 0, 7, None)) is None  # it is the tail's graph
+    assert DecodeGraphs.tail_key(("verify", 24, 0, 7, None)) is None
+    assert DecodeGraphs.tail_key(("verify", 256, 0, 1, None)) is None  # a refresh step: no tail graph
+    assert DecodeGraphs.tail_key(("dense", 256, 0, 1, None)) is None
+    assert DecodeGraphs.tail_key(("draft", 256, 0, 6, ("signature", ()))) is None
+    cache = SimpleNamespace(page_size=4, device=torch.device("cpu"), scratch_page=3, padding_slot=0)
+    graphs = DecodeGraphs(cache, forward=None, max_pages=8, draft_len=6, max_candidates=16)
+    step = graphs._static_step("verify", 32, 7)
+    for buffer in (step.input_ids, step.plan.position_ids, step.plan.dense.positions, step.plan.dense.block_tables,
+                   step.plan.dense.history_lens, step.plan.dense.score_starts):
+        buffer.fill_(5)
+    graphs._fill_padding("verify", step)
+    dense = step.plan.dense
+    assert dense.cu_seqlens.tolist() == [0] + [32 * 7] * 33  # no real segment, one padding segment of all tokens
+    assert step.plan.write_index.eq(3 * 4).all() and dense.score_starts.eq(-1).all()
+    for buffer in (step.input_ids, step.plan.position_ids, dense.positions, dense.block_tables, dense.history_lens):
+        assert buffer.eq(0).all()
+    assert dense.live_segments.tolist() == [32]
+
+
 def test_a_block_graph_replay_tells_the_attention_how_many_requests_are_real():
     """A verify graph replayed for fewer requests than it holds (a tail's widened verify graph, a larger bucket) sizes
     its key splits for the real ones, through `DenseSegments.live_segments`, which each fill sets; a dense-step
@@ -120,9 +145,10 @@ def test_greedy_with_cuda_graphs_matches_dense_on_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_later_calls_drafting_at_fewer_rows_share_one_tail_verify_graph():
     """A first call verifies 40 requests' blocks of 7 tokens (a graph of 48 requests, 336 tokens: too wide to replay
-    for a few rows). A later call that drafts at 2 rows captures the verify graph of 32 requests, the widest within
-    `REPLAY_LARGER_TOKENS`, and a call at 8 rows replays it instead of capturing its own. The acceptance is forced
-    to 1 so that every row of a call finishes in the same round (no call reaches fewer rows than it starts with)."""
+    for a few rows), and captures ahead, from padding rows, the verify graph of 32 requests, the widest within
+    `REPLAY_LARGER_TOKENS`. Later calls that draft at 2 and 8 rows replay it and capture nothing, and a greedy call
+    at 5 rows that replays it equals dense decoding. The acceptance of the others is forced to 1 so that every row
+    of a call finishes in the same round (no call reaches fewer rows than it starts with)."""
     model = s3r_hf.enable(tiny_model("qwen3", seed=33).cuda())
     config = S3RConfig(adaptive=False, draft_len=6, budget_ratio=0.1, min_budget=2, page_size=4, cuda_graphs=True)
 
@@ -133,7 +159,14 @@ def test_later_calls_drafting_at_fewer_rows_share_one_tail_verify_graph():
                              return_dict_in_generate=True)
         return [graph.split(" (")[0] for graph in out.s3r_stats.captured_graphs]
 
-    assert "verify 48x7" in captures(40, seed=34)
-    assert captures(2, seed=35) == ["verify 32x7"]
+    first = captures(40, seed=34)
+    assert first.index("verify 48x7") + 1 == first.index("verify 32x7")  # captured ahead, right after the wide one
+    assert captures(2, seed=35) == []
     assert captures(8, seed=36) == []
+    input_ids, attention_mask = (t.cuda() for t in left_padded_batch([12, 7, 15, 9, 11], seed=37))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=30, eos_token_id=None)
+    out = model.generate(input_ids, s3r_config=config, return_dict_in_generate=True, **kwargs)
+    assert not any(graph.startswith("verify") for graph in out.s3r_stats.captured_graphs)
+    assert out.s3r_stats.drafted > 0
+    assert torch.equal(out.sequences, model.generate(input_ids, **kwargs))
     s3r_hf.release(model)
