@@ -43,6 +43,8 @@ refresh, while what a skipped refresh saves stays the same, so long intervals ga
 SWITCH_COST = 2.0
 """Dense-step times a probe's two switches cost on top of its rounds: a refresh step before drafting, and a round
 whose successor was not launched early."""
+DENSE_KEY = (0, False, False)
+"""A dense step's key among a bucket's round times (`_BucketCosts.seconds`)."""
 NEIGHBOUR_RATIO_SPREAD = 2.0
 """How far a round's cost over a dense step's may move between batch sizes: launch-bound at a few rows, bandwidth-
 bound at many. A new bucket whose neighbour at another batch size chose by less probes soon instead of trusting it."""
@@ -149,6 +151,7 @@ class _BucketCosts:
     `N` rounds the refreshing round follows an extending one (or a refreshing one when `N = 1`), the first extending
     round pays the previous refresh's view rebuild, and the others pay an extension each."""
 
+    key: tuple[int, int]  # (rows, context) bucket, see `RoundShape.bucket`
     seconds: dict[tuple[int, bool, bool], deque] = field(default_factory=dict)
     medians: dict[tuple[int, bool, bool], float] = field(default_factory=dict)  # kept current by `add`
     last_seen: dict[int, int] = field(default_factory=dict)  # round counter of each k's latest sample
@@ -178,7 +181,7 @@ class _BucketCosts:
         self.medians[key] = min(kept) if key[0] == 0 else sorted(kept)[(len(kept) - 1) // 2]
 
     def dense(self) -> float | None:
-        return self.medians.get((0, False, False))
+        return self.medians.get(DENSE_KEY)
 
     def round_cost(self, k: int, interval: int) -> float | None:
         """Mean time of a `k`-round when the views are refreshed every `interval` rounds, or None if unmeasured. A
@@ -218,10 +221,14 @@ class AdaptiveDraftLength:
         lengths: the draft lengths it may choose (default: all of `0..max_draft_len`).
         refresh_intervals: the refresh intervals it may choose (default: every round, the paper's rule).
         probe_rounds: consecutive rounds a probe runs (the engine times all but the first).
-        switch_margin: how much more tokens per second drafting must promise to replace dense decoding. Besides
-            the switch's own cost it covers what the pooled acceptance does not see: requests accept at rates of
-            their own, drafting lets them part, and where the cost of a step hardly depends on its rows (a few
-            rows, launch-bound) a call ends with its slowest requests, which gain less than the pooled rate says.
+        switch_margin: how much more tokens per second drafting must promise to replace dense decoding, and half
+            of it to go on once chosen. Besides a switch's own cost it covers what the estimates do not see:
+            requests accept at rates of their own, drafting lets them part, and where the cost of a step hardly
+            depends on its rows (a few rows, launch-bound) a call ends with its slowest requests, which gain less
+            than the pooled rate says; and a bucket that drafts times its dense steps only in probes between
+            drafting rounds, where they cost more than in a run of them.
+        first_dense_samples: dense steps the first bucket times before its first drafting round (later buckets
+            start from their neighbours' estimates): a single sample may hold a warm-up's work.
         probe_budget: the share of a bucket's time its probes may lose, by the current estimates: a probe of a
             length that loses by far (drafting on a launch-bound model, say) waits correspondingly longer.
         review_rounds: rounds a bucket keeps its choice before the estimates are compared again (probes and the
@@ -246,6 +253,7 @@ class AdaptiveDraftLength:
         refresh_intervals: tuple[int, ...] = (1,),
         probe_rounds: int = 3,
         switch_margin: float = 0.2,
+        first_dense_samples: int = 3,
         probe_budget: float = 0.01,
         review_rounds: int = 8,
     ) -> None:
@@ -266,6 +274,7 @@ class AdaptiveDraftLength:
         self.samples = samples
         self.probe_rounds = probe_rounds
         self.switch_margin = switch_margin
+        self.first_dense_samples = first_dense_samples
         self.probe_budget = probe_budget
         self.review_rounds = review_rounds
         ages = self.refresh_intervals[-1]
@@ -275,6 +284,7 @@ class AdaptiveDraftLength:
         self.accepted = [[0.0] * max_draft_len for _ in range(ages)]
         self.buckets: dict[tuple[int, int], _BucketCosts] = {}
         self._nearest_buckets: dict[tuple[int, int], list[_BucketCosts]] = {}  # emptied when a bucket is added
+        self._dense_floors: dict[tuple[int, int], float | None] = {}  # emptied when a dense step is timed
         # `acceptance` per age and `mean_tokens` per (k, interval), emptied when acceptance is observed.
         self._acceptance: dict[int, list[float]] = {}
         self._mean_tokens: dict[tuple[int, int], float] = {}
@@ -340,6 +350,8 @@ class AdaptiveDraftLength:
         bucket.last_seen[draft_len] = bucket.rounds
         if draft_len:
             bucket.pattern_seen[pattern] = bucket.cycles
+        else:
+            self._dense_floors.clear()
 
     def cost_ratio(self, key: tuple[int, int], k: int, nearest: list[_BucketCosts] | None = None) -> float | None:
         """Estimated time of a `k`-round (at its best refresh interval) over a dense step's, in bucket `key` or the
@@ -384,7 +396,7 @@ class AdaptiveDraftLength:
     def _bucket_ratio(self, bucket: _BucketCosts, k: int, interval: int) -> float | None:
         """`cost(k) / cost(0)` in one bucket with views refreshed every `interval` rounds: measured, or linear in `k`
         between the nearest measured lengths (a round's cost grows by one draft pass per drafted token)."""
-        dense = bucket.dense()
+        dense = self._dense_cost(bucket)
         if dense is None or dense <= 0:
             return None
         if k == 0:
@@ -406,13 +418,29 @@ class AdaptiveDraftLength:
         slope = (measured[above] - measured[below]) / (above - below)
         return max(measured[below] + slope * (k - below), 1e-12) / dense
 
+    def _dense_cost(self, bucket: _BucketCosts) -> float | None:
+        """A dense step's cost in `bucket`: the least of its samples, and no more than any bucket of at least as
+        many rows and as long contexts measured. A dense step's work only grows with both, but a bucket that
+        drafts times its dense steps only in probes between drafting rounds, where they cost more than they do in
+        a run of dense steps; a larger bucket that decoded densely corrects that."""
+        key = bucket.key
+        if key not in self._dense_floors:
+            costs = [
+                cost for other, larger in self.buckets.items()
+                if other[0] >= key[0] and other[1] >= key[1] and (cost := larger.dense()) is not None
+            ]
+            self._dense_floors[key] = min(costs, default=None)
+        return self._dense_floors[key]
+
     # ---------------------------------------------------------------- the choice
     def best(self, key: tuple[int, int], current: int | None = None) -> int | None:
         """The `k` with the most expected tokens per unit of time in bucket `key`; None before any measurement.
 
-        From dense decoding (`current` is 0 or None) drafting must win by `switch_margin`: a switch costs a refresh
-        step and launches that a run of dense steps overlaps, and a few measured rounds are noisy. Near break-even,
-        where drafting gains nothing worth having, the rule stays with dense decoding instead of paying for switches.
+        From dense decoding (`current` is 0 or None) drafting must win by `switch_margin`, and by half of it to go
+        on drafting: a switch costs a refresh step and launches that a run of dense steps overlaps, the requests'
+        acceptance rates part, and a few measured rounds are noisy. Near break-even, where drafting gains nothing
+        worth having, the rule decodes densely; the gap between the two margins keeps it from switching back and
+        forth on noise.
         """
         return self._best(key, current)[0]
 
@@ -428,7 +456,8 @@ class AdaptiveDraftLength:
         if len(values) < 2:
             return None, values
         best = max(values, key=lambda k: (values[k][0], -k))
-        if best > 0 and not current and 0 in values and values[best][0] < (1 + self.switch_margin) * values[0][0]:
+        margin = self.switch_margin / 2 if current else self.switch_margin
+        if best > 0 and 0 in values and values[best][0] < (1 + margin) * values[0][0]:
             return 0, values
         return best, values
 
@@ -467,7 +496,7 @@ class AdaptiveDraftLength:
         bucket.next_review = bucket.rounds + self.review_rounds
         best, values = self._best(key, bucket.choice)
         if best is None:  # nothing to compare yet: measure dense steps, then full rounds
-            k = 0 if bucket.dense() is None else self.max_draft_len
+            k = 0 if len(bucket.seconds.get(DENSE_KEY, ())) < self.first_dense_samples else self.max_draft_len
         else:
             if best != bucket.choice:  # the evidence moved: look again soon, as soon as the probe is worth it
                 bucket.choice = best
@@ -572,10 +601,11 @@ class AdaptiveDraftLength:
                 interval, interval_gap = nearest.interval, nearest.interval_probe_gap
             interval_gap = max(self.min_probe_gap, interval_gap)
             bucket = self.buckets[key] = _BucketCosts(
-                choice=choice, probe_gap=gap, next_probe=gap, interval=interval, interval_probe_gap=interval_gap,
-                next_interval_probe=interval_gap,
+                key=key, choice=choice, probe_gap=gap, next_probe=gap, interval=interval,
+                interval_probe_gap=interval_gap, next_interval_probe=interval_gap,
             )
             self._nearest_buckets.clear()
+            self._dense_floors.clear()
         return bucket
 
     def _near_break_even(self, key: tuple[int, int], choice: int | None) -> bool:

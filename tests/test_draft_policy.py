@@ -114,6 +114,38 @@ def test_a_dense_step_costs_the_least_of_its_samples():
     assert policy.cost_ratio(SHAPE.bucket, 6) == pytest.approx(4.0 / 1.0)
 
 
+def test_a_dense_step_costs_no_more_than_in_a_bucket_of_more_rows_and_longer_contexts():
+    """A bucket that drafts times its dense steps only in probes between drafting rounds, where they cost more than
+    in a run of them; a bucket of more rows and longer contexts that decoded densely bounds them. By its own dense
+    samples drafting wins here by 1.5x; by the bound it loses."""
+    policy = AdaptiveDraftLength(6, lengths=(0, 6), prior_weight=0.0)
+    policy.observe_acceptance([6] * 10, [6] * 10)  # 7 tokens a round
+    drafting = RoundShape(rows=20, context=1000)
+    for _ in range(3):
+        policy.observe_cost(drafting, 0, 2.0)
+        policy.observe_cost(drafting, 6, 9.3)
+    assert policy.best(drafting.bucket) == 6
+    policy.observe_cost(RoundShape(rows=20, context=300), 0, 1.0)  # shorter contexts bound nothing
+    policy.observe_cost(RoundShape(rows=8, context=4000), 0, 1.0)  # nor do fewer rows
+    assert policy.cost_ratio(drafting.bucket, 6) == pytest.approx(9.3 / 2.0)
+    policy.observe_cost(RoundShape(rows=64, context=1500), 0, 1.5)
+    assert policy.cost_ratio(drafting.bucket, 6) == pytest.approx(9.3 / 1.5)
+    assert policy.best(drafting.bucket, current=6) == 6  # 7 tokens for 6.2 steps' time
+    policy.observe_cost(RoundShape(rows=40, context=2500), 0, 1.2)
+    assert policy.best(drafting.bucket, current=6) == 0  # 7 tokens for 7.75 steps' time
+
+
+def test_the_first_bucket_times_several_dense_steps_before_it_drafts():
+    """A single dense sample may hold a warm-up's work (twice a dense step's time here), which would make drafting
+    look better than it is; the first bucket times `first_dense_samples` dense steps (the first step of a run is
+    not timed) before its first drafting round, and their least is the cost."""
+    policy = AdaptiveDraftLength(6, lengths=(0, 6))
+    costs = iter([2.0, 1.0, 1.0] + [1.0] * 1000)
+    choices = _drive(policy, lambda k: next(costs) if k == 0 else TOKENS / 1.1, alpha=ALPHA, rounds=200)
+    assert choices[:5] == [0, 0, 0, 0, 6]
+    assert choices[-100:].count(0) >= 95  # drafting would gain 10%, within the switch margin
+
+
 def test_fixed_and_scripted_lengths():
     assert FixedDraftLength(4).choose(SHAPE) == 4
     scripted = ScriptedDraftLength([2, 0, 1])
@@ -174,6 +206,21 @@ def test_drafting_that_barely_pays_does_not_replace_dense_decoding():
     assert choices[-200:].count(6) >= 190
     report = clearly.report()
     assert report and report[0]["choice"] == 6 and set(report[0]["seconds"]) == {0, 6}
+
+
+def test_drafting_goes_on_while_it_wins_by_half_the_switch_margin():
+    """Drafting must promise `switch_margin` (20%) more tokens per second to replace dense decoding, and half of it
+    to go on: a 15% gain keeps a bucket drafting but does not start it, a 5% gain stops it."""
+    policy = AdaptiveDraftLength(6, lengths=(0, 6), prior_weight=0.0)
+    policy.observe_acceptance([6] * 10, [6] * 10)  # 7 tokens a round
+    policy.observe_cost(SHAPE, 0, 1.0)
+    policy.observe_cost(SHAPE, 6, 7 / 1.15)
+    assert policy.best(SHAPE.bucket, current=0) == 0
+    assert policy.best(SHAPE.bucket, current=None) == 0
+    assert policy.best(SHAPE.bucket, current=6) == 6
+    policy.observe_cost(SHAPE, 6, 7 / 1.05)
+    policy.observe_cost(SHAPE, 6, 7 / 1.05)
+    assert policy.best(SHAPE.bucket, current=6) == 0
 
 
 ALPHA = 0.8
