@@ -13,7 +13,9 @@ between 0 and `--draft-len` (the engine's rule chooses the two ends); a round of
 `--alpha`, drawn uniformly within that distance of it, so the requests of a call advance at different rates. The
 rule sees the round costs the engine would report (rounds that follow a round of the same length) and the
 acceptance of every drafting round, and keeps what it learned from call to call, as the engine's kept state does.
-Costs get ±10% noise.
+Costs get ±10% noise. Two of the engine's timing artefacts can be added: `--probe-dense-ms` more for each of the
+three dense steps after a drafting round (the rule's dense samples in probes from drafting ran high on the H200),
+and `--first-dense-ms` more for the first dense step the rule times (a warm-up in the first call).
 
     python tools/simulate_policy.py --round-ms 7.9     # SmolLM2 B=64 in bf16: drafting near break-even
     python tools/simulate_policy.py --dense-ms 3 --round-ms 90 --batch 32 --max-new-tokens 4096   # fp32
@@ -23,6 +25,8 @@ Costs get ±10% noise.
         --alpha-decay 0.97 --batch 32 --max-new-tokens 4096 --capped-share 0.45 --lengths 0,2,3,4,6   # fp32 GRPO
     python tools/simulate_policy.py --dense-ms 3.3 --round-ms 16.3 --tail-rows 8 --tail-round-ms 14.9 --alpha 0.95 \
         --alpha-decay 0.98 --batch 16 --max-new-tokens 4096 --capped-share 1 --alpha-spread 0.1  # rows that part
+    python tools/simulate_policy.py --dense-ms 1.7 --round-ms 9.7 --alpha 0.95 --alpha-spread 0.05 \
+        --capped-share 0.35 --probe-dense-ms 0.4 --first-dense-ms 1.4   # SmolLM2 bf16 B=64, near break-even
 """
 
 from __future__ import annotations
@@ -36,14 +40,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from s3r_hf.draft_policy import RoundShape, adaptive_for  # noqa: E402
 
+CATCH_UP_STEPS = 3
+"""Dense steps after a drafting round that cost `--probe-dense-ms` more."""
+
 
 def simulate(
-    policy, lengths: list[int], alphas: list[float], args: argparse.Namespace, rng: random.Random
+    policy, lengths: list[int], alphas: list[float], args: argparse.Namespace, rng: random.Random,
+    first_dense_ms: float = 0.0,
 ) -> tuple[float, int]:
     """Seconds of one call under `policy` (None: dense steps only), and the drafting rounds it ran; request `i` has
-    `lengths[i]` tokens to commit and accepts each first draft with probability `alphas[i]`."""
+    `lengths[i]` tokens to commit and accepts each first draft with probability `alphas[i]`. The first dense step the
+    rule times costs `first_dense_ms` more."""
     remaining, contexts = list(lengths), [args.prompt_len] * len(lengths)
     seconds, previous, stale, drafting = 0.0, None, True, 0
+    since_drafting = CATCH_UP_STEPS  # dense steps since the last drafting round
     while remaining:
         shape = RoundShape(len(remaining), sum(contexts) // len(contexts))
         k = policy.choose(shape) if policy is not None else 0
@@ -72,8 +82,14 @@ def simulate(
             contexts = [c + n + 1 for c, n in zip(contexts, kept)]
             policy.observe_acceptance([k] * len(seen), seen)
             drafting += 1
+            since_drafting = 0
         else:
             cost = args.dense_ms / 1e3 * noise + (args.switch_back_ms / 1e3 if previous else 0.0)
+            if since_drafting < CATCH_UP_STEPS:
+                cost += args.probe_dense_ms / 1e3
+                since_drafting += 1
+            if policy is not None and previous == 0 and first_dense_ms:
+                cost, first_dense_ms = cost + first_dense_ms / 1e3, 0.0
             remaining = [r - 1 for r in remaining]
             contexts = [c + 1 for c in contexts]
             stale = True
@@ -92,6 +108,10 @@ def main() -> None:
     parser.add_argument("--round-ms", type=float, default=10.0)
     parser.add_argument("--refresh-ms", type=float, default=2.6)
     parser.add_argument("--switch-back-ms", type=float, default=0.7)
+    parser.add_argument("--probe-dense-ms", type=float, default=0.0,
+                        help=f"what each of the {CATCH_UP_STEPS} dense steps after a drafting round costs more")
+    parser.add_argument("--first-dense-ms", type=float, default=0.0,
+                        help="what the first dense step the rule times costs more (first call)")
     parser.add_argument("--alpha", type=float, default=0.8)
     parser.add_argument("--alpha-spread", type=float, default=0.0,
                         help="each request's alpha is drawn uniformly from alpha ± this (at most 1)")
@@ -134,7 +154,7 @@ def main() -> None:
             for _ in range(args.batch)
         ]
         alphas = [min(1.0, args.alpha + args.alpha_spread * (2 * rng.random() - 1)) for _ in lengths]
-        adaptive, drafting = simulate(policy, lengths, alphas, args, rng)
+        adaptive, drafting = simulate(policy, lengths, alphas, args, rng, args.first_dense_ms if call == 0 else 0.0)
         dense, _ = simulate(None, lengths, alphas, args, rng)
         print(f"call {call + 1}: adaptive {adaptive:.3f} s, dense {dense:.3f} s, adaptive ÷ dense speed "
               f"{dense / adaptive:.3f}, drafting rounds {drafting}")
