@@ -496,7 +496,8 @@ class AdaptiveDraftLength:
         bucket.next_review = bucket.rounds + self.review_rounds
         best, values = self._best(key, bucket.choice)
         if best is None:  # nothing to compare yet: measure dense steps, then full rounds
-            k = 0 if len(bucket.seconds.get(DENSE_KEY, ())) < self.first_dense_samples else self.max_draft_len
+            timed = len(bucket.seconds.get(DENSE_KEY, ()))
+            k = 0 if timed < min(self.first_dense_samples, self.samples) else self.max_draft_len
         else:
             if best != bucket.choice:  # the evidence moved: look again soon, as soon as the probe is worth it
                 bucket.choice = best

@@ -144,6 +144,9 @@ def test_the_first_bucket_times_several_dense_steps_before_it_drafts():
     choices = _drive(policy, lambda k: next(costs) if k == 0 else TOKENS / 1.1, alpha=ALPHA, rounds=200)
     assert choices[:5] == [0, 0, 0, 0, 6]
     assert choices[-100:].count(0) >= 95  # drafting would gain 10%, within the switch margin
+    # A rule that keeps fewer samples than that drafts once it holds as many as it keeps.
+    choices = _drive(AdaptiveDraftLength(6, lengths=(0, 6), samples=2), lambda k: 1.0, alpha=ALPHA, rounds=10)
+    assert choices[:4] == [0, 0, 0, 6]
 
 
 def test_fixed_and_scripted_lengths():
