@@ -63,7 +63,8 @@ def _count_pools(monkeypatch) -> list[int]:
 
 
 def test_two_grpo_steps_with_s3r_rollouts_log_s3r_metrics(tmp_path, monkeypatch):
-    trainer = make_trainer(tmp_path)
+    # A fixed draft length: every step drafts, whatever this machine's timings would make the adaptive rule choose.
+    trainer = make_trainer(tmp_path, s3r_options={"adaptive": False})
     s3r_hf.enable(trainer.model)  # an enabled model routes the same way
     before = [p.detach().clone() for p in trainer.model.parameters()]
     pools = _count_pools(monkeypatch)
