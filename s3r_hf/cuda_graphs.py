@@ -271,18 +271,9 @@ class DecodeGraphs:
         """Static buffers of a block graph holding no request: every token slot is in the padding segment, which
         writes its K/V to the scratch page and scores nothing. (`live_segments` keeps its bucket: the next `_fill`
         sets the real count.)"""
-        static = step.plan.dense
-        tokens = step.input_ids.shape[1]
-        step.input_ids.zero_()
-        step.plan.position_ids.zero_()
-        step.plan.write_index.fill_(self.cache.scratch_page * self.cache.page_size)
-        static.positions.zero_()
-        static.block_tables.zero_()
-        static.cu_seqlens[0] = 0
-        static.cu_seqlens[1:].fill_(tokens)
-        static.history_lens.zero_()
-        if kind == "verify":
-            static.score_starts.fill_(-1)
+        step.plan.dense.block_tables.zero_()
+        step.plan.dense.cu_seqlens[0] = 0
+        self._pad(kind, step, count=0, rows=0)
 
     def _drop_stale(self, kind: str, key: tuple) -> None:
         """Index views grew (a new tensor): graphs that read the old one must not run again."""
@@ -357,21 +348,12 @@ class DecodeGraphs:
     def _fill(self, kind: str, step: _CapturedStep, input_ids: torch.Tensor, plan: StepPlan, count: int) -> None:
         """Copy the step's metadata into the static buffers; rows past `count` become harmless padding."""
         static = step.plan
-        scratch_row = self.cache.scratch_page * self.cache.page_size
-        # Each of these is a device launch, and on a small model a dense step costs its host work: padding is
-        # written only where there is some.
-        padded = count < step.input_ids.shape[1]
         step.input_ids[0, :count].copy_(input_ids)
         static.position_ids[0, :count].copy_(plan.position_ids[0])
         static.write_index[:count].copy_(plan.write_index)
         source = plan.dense if plan.dense is not None else plan.sparse
         target = static.dense if static.dense is not None else static.sparse
         target.positions[:count].copy_(source.positions)
-        if padded:
-            step.input_ids[0, count:].zero_()
-            static.position_ids[0, count:].zero_()
-            static.write_index[count:].fill_(scratch_row)
-            target.positions[count:].zero_()
         rows, width = source.block_tables.shape
         if width < target.block_tables.shape[1] or rows < target.block_tables.shape[0]:
             target.block_tables.zero_()
@@ -380,18 +362,35 @@ class DecodeGraphs:
             if rows != step.live_segments:  # a launch only when the row count changes
                 target.live_segments.fill_(rows)
                 step.live_segments = rows
-            # Real segments first; all unused token slots form one padding segment; later segments are empty.
             target.cu_seqlens[: rows + 1].copy_(source.cu_seqlens)
-            target.cu_seqlens[rows + 1 :].fill_(static.write_index.shape[0])
             if kind == "verify":
                 target.score_starts[:rows].copy_(source.score_starts)
-                target.score_starts[rows:].fill_(-1)
             target.history_lens[:rows].copy_(source.history_lens)
-            target.history_lens[rows:].zero_()
         if static.sparse is not None:
             target.slots[:count].copy_(source.slots)
-            target.slots[count:].fill_(self.cache.padding_slot)
             target.tail_starts[:count].copy_(source.tail_starts)
+        self._pad(kind, step, count, rows)
+
+    def _pad(self, kind: str, step: _CapturedStep, count: int, rows: int) -> None:
+        """Make the static buffers past `count` tokens (a block graph's past `rows` segments) harmless padding: their
+        K/V go to the scratch page; in a block graph all unused token slots form one padding segment that scores
+        nothing and later segments are empty; a draft query reads the padding slot's empty view."""
+        static = step.plan
+        target = static.dense if static.dense is not None else static.sparse
+        # Each of these is a device launch, and on a small model a dense step costs its host work: token padding is
+        # written only where there is some.
+        if count < step.input_ids.shape[1]:
+            step.input_ids[0, count:].zero_()
+            static.position_ids[0, count:].zero_()
+            static.write_index[count:].fill_(self.cache.scratch_page * self.cache.page_size)
+            target.positions[count:].zero_()
+        if kind in _BLOCK_KINDS:
+            target.cu_seqlens[rows + 1 :].fill_(static.write_index.shape[0])
+            if kind == "verify":
+                target.score_starts[rows:].fill_(-1)
+            target.history_lens[rows:].zero_()
+        if static.sparse is not None:
+            target.slots[count:].fill_(self.cache.padding_slot)
             target.tail_starts[count:].zero_()
 
     def _capture(self, program: Callable, key: tuple, precision: str = "highest"):
