@@ -254,7 +254,7 @@ class AdaptiveDraftLength:
         probe_rounds: int = 3,
         switch_margin: float = 0.2,
         first_dense_samples: int = 3,
-        probe_budget: float = 0.01,
+        probe_budget: float = 0.005,
         review_rounds: int = 8,
     ) -> None:
         if max_draft_len < 1:
