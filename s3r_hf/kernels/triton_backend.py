@@ -286,7 +286,7 @@ def _dense_varlen_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     STORE_LOGITS: tl.constexpr, ONE_Q_BLOCK: tl.constexpr,
-    COUNT_LIVE: tl.constexpr, TARGET_PROGRAMS: tl.constexpr, MIN_KEYS: tl.constexpr,
+    COUNT_LIVE: tl.constexpr, TARGET_PROGRAMS: tl.constexpr, MIN_KEYS: tl.constexpr, WHOLE_CONTEXT: tl.constexpr,
 ):
     segment = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -326,9 +326,16 @@ def _dense_varlen_kernel(
         # The block's own keys are shared out among the splits in whole tiles, not the longest context the grid was
         # sized for (a CUDA graph's), which would leave the later splits without work at shorter contexts. Each
         # split starts on a tile boundary, so the compiler may vectorize the stored logits and the block-table reads.
-        keys_per_split = tl.cdiv(tl.cdiv(context, splits), BLOCK_N) * BLOCK_N
-        lo = tl.multiple_of(split * keys_per_split, BLOCK_N)
-        hi = tl.minimum(context, lo + keys_per_split)
+        # An unsplit launch that stores logits takes the plain bounds: with the split arithmetic that kernel compiles
+        # to more registers, one program fewer per SM at Qwen3-1.7B's heads (docs/benchmarks.md, "Kernel launch
+        # settings"). The other kernels compile to the same registers either way and keep one variant.
+        if WHOLE_CONTEXT:
+            lo = 0
+            hi = context
+        else:
+            keys_per_split = tl.cdiv(tl.cdiv(context, splits), BLOCK_N) * BLOCK_N
+            lo = tl.multiple_of(split * keys_per_split, BLOCK_N)
+            hi = tl.minimum(context, lo + keys_per_split)
         if STORE_LOGITS:
             score_start = tl.load(score_start_ptr + segment)
             score_start = tl.where(score_start >= 0, score_start, seg_end - seg_start)  # -1: not scored
@@ -455,6 +462,7 @@ def paged_dense_attention(
         BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
         **settings, STORE_LOGITS=logits is not None, ONE_Q_BLOCK=num_q_blocks == 1,
         COUNT_LIVE=counts_live, TARGET_PROGRAMS=target, MIN_KEYS=_MIN_KEYS_PER_SPLIT,
+        WHOLE_CONTEXT=logits is not None and splits == 1,
     )
     live = (live_segments, programs, target) if counts_live else None
     out, lse = merge_splits(out, lse, query.dtype, live)

@@ -1,0 +1,142 @@
+"""Registers, spill stack and shared memory of the attention kernels, compiled for a GPU architecture without a GPU.
+
+Triton compiles a kernel ahead of time for a target (here sm_90, the H100/H200) with the ptxas it ships, and
+`cuobjdump` reads the registers from the cubin. Registers set how many programs an SM holds at once: at 128 threads
+a program of 128 registers leaves room for four, one of 168 for three, so a grid of 512 programs (Qwen3-1.7B's
+verify at 64 rows) runs in one wave or in two. A change to a kernel's code can cross such a step with no change to
+what it computes; this shows it before any GPU time is spent.
+
+    python tools/kernel_registers.py                          # every shape and kind below, as the engine launches them
+    python tools/kernel_registers.py --shapes qwen3-1.7b-bf16 --kinds verify-logits
+
+The integer arguments are given the specializations a real launch gets (strides divisible by 16, except the
+arguments a kernel marks `do_not_specialize`), so the code is the one the GPU runs. Needs only `triton` with its
+NVIDIA backend (the bundled ptxas and cuobjdump), and TRITON_INTERPRET unset (the interpreter compiles nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from s3r_hf.kernels import triton_backend as tb  # noqa: E402
+
+SHAPES = {  # heads, KV heads, head dim, bytes per element
+    "qwen3-1.7b-bf16": (16, 8, 128, 2),
+    "smollm2-135m-bf16": (9, 3, 64, 2),
+    "smollm2-135m-fp32": (9, 3, 64, 4),
+}
+KINDS = ("decode", "verify", "verify-logits", "sparse")
+DRAFT_LEN = 6
+
+
+def _signature(fn, constants: dict, element_size: int) -> tuple[dict, dict, dict]:
+    """Triton's signature, constants and argument attributes for `fn`, as a launch specializes them."""
+    names = fn.arg_names
+    not_specialized = {names[i] if isinstance(i, int) else i for i in (fn.do_not_specialize or ())}
+    data = "*bf16" if element_size == 2 else "*fp32"
+    signature = {}
+    for name in names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            if name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr"):
+                signature[name] = data
+            else:
+                signature[name] = "*fp32" if name in ("lse_ptr", "logit_ptr") else "*i32"
+        else:
+            signature[name] = "fp32" if name == "scale" else "i32"
+    aligned = [
+        name for name in names
+        if name.endswith("_ptr") or (name.startswith("stride") and name not in not_specialized)
+    ]
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return signature, {name: value for name, value in constants.items() if name in names}, attrs
+
+
+def _kernel(shape: str, kind: str, split: bool) -> tuple:
+    """The kernel, its constants and launch options of `kind` at `shape`, as the engine launches it."""
+    heads, kv_heads, head_dim, element_size = SHAPES[shape]
+    group = heads // kv_heads
+    precision = "tf32" if element_size == 2 else "tf32x3"
+    common = dict(PAGE_SIZE=16, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+                  PRECISION=precision)
+    if kind == "sparse":
+        settings = tb.launch_settings(head_dim, element_size=element_size)
+        constants = dict(common, ROWS=max(16, triton.next_power_of_2(group)), BLOCK_N=settings["BLOCK_N"])
+        return tb._sparse_decode_kernel, constants, settings
+    stores = kind == "verify-logits"
+    block_m, rows, settings = tb.query_tiling(1 if kind == "decode" else DRAFT_LEN + 1, group, head_dim, stores,
+                                              element_size)
+    constants = dict(common, BLOCK_M=block_m, ROWS=rows, BLOCK_N=settings["BLOCK_N"], STORE_LOGITS=stores,
+                     ONE_Q_BLOCK=True, COUNT_LIVE=False, TARGET_PROGRAMS=tb._TARGET_PROGRAMS,
+                     MIN_KEYS=tb._MIN_KEYS_PER_SPLIT, WHOLE_CONTEXT=stores and not split)
+    return tb._dense_varlen_kernel, constants, settings
+
+
+def resources(shape: str, kind: str, split: bool, arch: int = 90) -> dict:
+    """Registers, spill stack (bytes per thread) and shared memory (bytes) of one kernel variant."""
+    fn, constants, settings = _kernel(shape, kind, split)
+    element_size = SHAPES[shape][3]
+    signature, constants, attrs = _signature(fn, constants, element_size)
+    options = {"num_warps": settings["num_warps"], "num_stages": settings["num_stages"]}
+    compiled = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", arch, 32),
+                              options=options)
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = os.path.join(folder, "kernel.cubin")
+        Path(cubin).write_bytes(compiled.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
+    registers, shared = int(match.group(1)), compiled.metadata.shared
+    # An SM holds 64K registers, allocated in steps of eight per thread, and about 227 KiB of shared memory.
+    by_registers = 65536 // (32 * settings["num_warps"] * (-(-registers // 8) * 8))
+    return {
+        "registers": registers, "stack": int(match.group(2)), "shared": shared,
+        "programs_per_sm": min(by_registers, 232448 // max(shared, 1)),
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability times ten (default 90)")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    shapes, kinds = args.shapes.split(","), args.kinds.split(",")
+    for name in (*shapes, *kinds):
+        if name not in SHAPES and name not in KINDS:
+            parser.error(f"unknown shape or kind {name!r}")
+    print(f"triton {triton.__version__}, sm_{args.arch}")
+    rows = []
+    print(f"{'shape':18s} {'kind':14s} {'keys':6s} {'regs':>5s} {'stack':>6s} {'shared':>7s} {'per SM':>6s}")
+    for shape in shapes:
+        for kind in kinds:
+            # Only the unsplit launch storing logits compiles a variant of its own (`WHOLE_CONTEXT`).
+            for split in ((False, True) if kind == "verify-logits" else (True,)):
+                r = resources(shape, kind, split, args.arch)
+                keys = "any" if kind != "verify-logits" else "split" if split else "whole"
+                rows.append({"shape": shape, "kind": kind, "keys": keys, **r})
+                print(f"{shape:18s} {kind:14s} {keys:6s} {r['registers']:5d} {r['stack']:6d} {r['shared']:7d} "
+                      f"{r['programs_per_sm']:6d}", flush=True)
+    if args.json:
+        record = {"triton": triton.__version__, "arch": args.arch, "rows": rows}
+        Path(args.json).write_text(json.dumps(record, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
