@@ -69,7 +69,7 @@ def s3r_attention_forward(
             _rows(packed, dense.query_index), pools.keys, pools.values, dense.block_tables, dense.cu_seqlens,
             dense.positions, scale, dense.score_starts, max_query_len=dense.max_query_len,
             max_context=dense.max_context, max_scored_queries=dense.max_scored_queries, num_splits=dense.num_splits,
-            live_segments=dense.live_segments,
+            live_segments=dense.live_segments, min_live_segments=dense.min_live_segments,
         )
         out = dense_out if out is None else out.index_copy_(0, dense.query_index, dense_out)
         if scores is not None:

@@ -252,6 +252,18 @@ class DecodeGraphs:
         tail = max((b for b in BUCKETS if b * width <= REPLAY_LARGER_TOKENS), default=None)
         return None if tail is None or tail >= bucket else (kind, tail, capacity, width, variant)
 
+    def _fewest_rows(self, kind: str, bucket: int, width: int) -> int:
+        """The fewest requests a block graph of `bucket` rows replays with (`_key`): a graph within
+        `REPLAY_LARGER_TOKENS` may serve any smaller tail; a wider one has a tail graph, captured with it
+        (`_capture_tail_ahead`), that serves every count up to the tail's bucket, and serves no count whose own
+        bucket is more than `REUSE_FACTOR` times smaller. Its attention sizes the key splits of its grid for that
+        many (`triton_backend.split_grid`)."""
+        tail = self.tail_key((kind, bucket, 0, width, None))
+        if tail is None:
+            return 1
+        reused_from = next(rows for rows in range(1, bucket + 1) if REUSE_FACTOR * _bucket_for(rows) >= bucket)
+        return max(tail[1] + 1, reused_from)
+
     def _capture_tail_ahead(self, key: tuple, precision: str) -> None:
         """Capture the tail's verify graph of a block graph just captured wider than `REPLAY_LARGER_TOKENS`, from
         padding rows alone. A sampled call's tail reaches row counts that change from call to call; captured now,
@@ -334,6 +346,7 @@ class DecodeGraphs:
                 max_query_len=width, max_context=self.max_context,
                 max_scored_queries=width if scored else 0, num_splits=None,
                 live_segments=torch.full((1,), bucket, **int32),
+                min_live_segments=self._fewest_rows(kind, bucket, width),
             )
             return _CapturedStep(graph=None, plan=plan, input_ids=torch.zeros(1, tokens, **long))
         else:

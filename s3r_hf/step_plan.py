@@ -30,6 +30,7 @@ class DenseSegments:
     # `[1]` int32 on the device: how many leading segments hold real queries (a CUDA graph's static plan, replayed
     # at fewer rows than it holds). The kernel sizes its key splits for those rather than for the whole grid.
     live_segments: torch.Tensor | None = None
+    min_live_segments: int = 1  # the fewest `live_segments` will hold (the graph's smallest replay)
     # A prefill step split by kind of query (`attention.py`; long chunks, or scored chunks longer than their scored
     # queries): `(segment, first packed row, first position, end position)` of each long one, which runs through
     # torch's fused causal attention (possibly none); the other segments' queries (`paged`, unscored) and every

@@ -121,6 +121,22 @@ def test_a_block_graph_replay_tells_the_attention_how_many_requests_are_real():
         assert dense.plan.dense.live_segments is None
 
 
+def test_a_block_graph_tells_the_attention_the_fewest_requests_it_replays_with():
+    """A block graph within `REPLAY_LARGER_TOKENS` may replay for any smaller tail; a wider one never replays for
+    its tail graph's rows (captured with it) or for rows whose own bucket is more than `REUSE_FACTOR` times smaller:
+    its attention sizes the grid's key splits for the fewest it serves (`split_grid`)."""
+    cache = SimpleNamespace(page_size=4, device=torch.device("cpu"), scratch_page=0, padding_slot=0)
+    graphs = DecodeGraphs(cache, forward=None, max_pages=8, draft_len=6, max_candidates=16)
+    fewest = {bucket: graphs._static_step("verify", bucket, 7).plan.dense.min_live_segments
+              for bucket in (8, 32, 48, 64, 256)}
+    assert fewest == {8: 1, 32: 1, 48: 33, 64: 33, 256: 49}  # the tail graph holds 32 rows of 7 tokens
+    assert graphs._static_step("block", 128, 3).plan.dense.min_live_segments == 65  # tail: 64 rows of 3
+    for rows in (33, 40, 64):  # every count the fewest admits replays the 64-request graph, not a smaller one
+        graphs.steps = {("verify", 32, 0, 7, None): None, ("verify", 64, 0, 7, None): None}
+        assert graphs._key("verify", rows, 0, 7)[1] == 64
+    assert graphs._key("verify", 32, 0, 7)[1] == 32
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_greedy_with_cuda_graphs_matches_dense_on_cuda():
     model = s3r_hf.enable(tiny_model("qwen3", seed=31).cuda())

@@ -153,6 +153,34 @@ def test_key_splits_sized_on_the_device_for_the_live_segments(partial_lse):
     used = [torch.isfinite(lse).all(dim=(1, 2)).tolist() for lse in partial_lse[1:]]
     assert used == [[True] * 8, [True] * 4 + [False] * 4, [True] * 3]
     assert torch.isneginf(partial_lse[2][4:]).all()
+    # A graph that never replays with fewer than 5 live segments (10 programs: 8 splits wanted, at most four times
+    # the full grid's 4) still counts them; one that never replays with fewer than 40 has a fixed count of 4.
+    partial_lse.clear()
+    for live, fewest in ((5, 5), (40, 40)):
+        live_segments = torch.tensor([live], dtype=torch.int32, device=DEVICE)
+        actual = triton_backend.paged_dense_attention(*inputs, 0.3, starts, max_query_len=7, max_context=2048,
+                                                      live_segments=live_segments, min_live_segments=fewest)
+        torch.testing.assert_close(actual[0], expected[0], **TOL)
+        torch.testing.assert_close(actual[1], expected[1], **TOL)
+        torch.testing.assert_close(actual[2][..., :2000], expected[2], **TOL)
+    assert [lse.shape[0] for lse in partial_lse] == [8, 4]
+
+
+def test_a_graph_counts_live_segments_only_where_its_fewest_would_split_further():
+    """`split_grid`: the grid of a CUDA graph that replays with fewer segments holds the splits its fewest would use
+    (at most four times its own), and counts the live ones on the device; where the fewest use no more than the
+    full grid, the count is fixed (counting costs the kernel registers and launches programs that only exit)."""
+    stored, target = triton_backend._TARGET_PROGRAMS_STORING_LOGITS, triton_backend._TARGET_PROGRAMS
+    # Qwen3-1.7B's verify storing logits (8 KV heads), a 64-request graph plus its padding segment, 8K keys: one
+    # split for 33-64 requests (its tail graph takes 32 and fewer), up to four for one request.
+    assert triton_backend.split_grid(65, 8, 8192, stored) == (1, False)
+    assert triton_backend.split_grid(65, 8, 8192, stored, live_floor=33) == (1, False)
+    assert triton_backend.split_grid(65, 8, 8192, stored, live_floor=1) == (4, True)
+    # SmolLM2's unscored verify (3 KV heads): two splits for 64 requests, four for 33.
+    assert triton_backend.split_grid(65, 3, 4096, target) == (2, False)
+    assert triton_backend.split_grid(65, 3, 4096, target, live_floor=33) == (4, True)
+    # Few keys: no split however few the segments.
+    assert triton_backend.split_grid(33, 3, 200, target, live_floor=1) == (1, False)
 
 
 @pytest.mark.parametrize("tiling", [

@@ -61,6 +61,7 @@ def paged_dense_attention(
     max_scored_queries: int | None = None,
     num_splits: int | None = None,
     live_segments: torch.Tensor | None = None,
+    min_live_segments: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Dense causal attention of packed varlen queries over paged K/V (prefill chunks and verify blocks).
 
@@ -79,6 +80,7 @@ def paged_dense_attention(
         num_splits: how many programs a kernel splits each row's keys over (ignored here).
         live_segments: `[1]` int32, how many segments hold real queries, the rest padding, when a kernel sizes its
             key splits for those on the device (a CUDA graph replayed at other row counts; ignored here).
+        min_live_segments: the fewest segments `live_segments` will hold (sizes that grid; ignored here).
 
     Returns:
         `out` `[N, Hq, D]`, `lse` `[N, Hq]` (natural-log normaliser of each query's softmax), and, when

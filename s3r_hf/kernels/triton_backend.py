@@ -245,6 +245,26 @@ def _num_splits(programs: int, keys: int, min_keys: int, target: int = _TARGET_P
     return 1 << (wanted.bit_length() - 1)
 
 
+def split_grid(
+    segments: int, programs: int, keys: int, target: int, live_floor: int | None = None
+) -> tuple[int, bool]:
+    """`(key splits of the grid, whether the kernel counts the live segments on the device)` of a dense launch of
+    `segments` segments of `programs` programs each over up to `keys` keys.
+
+    `live_floor`, for a CUDA graph that may replay with fewer real segments (`live_segments`), is the fewest it
+    replays with. The grid then holds the splits those would use, at most four times its own (a graph serves rows
+    down to a quarter of its bucket, `cuda_graphs.REUSE_FACTOR`; unused splits cost little, but a full replay pays
+    for each), and the kernel uses as many as suit each replay. Where the fewest would use no more splits than the
+    full grid, the count is fixed instead: counting live segments costs the kernel registers (one program fewer per
+    SM for the verify at Qwen3-1.7B's heads, docs/benchmarks.md), and its extra splits a launch of programs that only
+    exit and a merge of their partial results."""
+    splits = _num_splits(segments * programs, keys, _MIN_KEYS_PER_SPLIT, target=target)
+    if live_floor is None:
+        return splits, False
+    wanted = min(_num_splits(max(1, live_floor) * programs, keys, _MIN_KEYS_PER_SPLIT, target=target), 4 * splits)
+    return (wanted, True) if wanted > splits else (splits, False)
+
+
 def _score_scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """The stored verify logits, left uninitialised: the kernel writes every entry the reduction reads."""
     return torch.empty(shape, dtype=torch.float32, device=device)
@@ -391,6 +411,7 @@ def paged_dense_attention(
     max_scored_queries: int | None = None,
     num_splits: int | None = None,
     live_segments: torch.Tensor | None = None,
+    min_live_segments: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Triton version of `reference.paged_dense_attention` (same arguments and results).
 
@@ -398,7 +419,8 @@ def paged_dense_attention(
     default it is chosen from the shape. With `live_segments` (a CUDA graph's `[1]` int32 count of the segments that
     hold real queries, the rest padding) and no `num_splits`, the grid holds more splits than its own rows would
     use, and the kernel uses as many of them as suit the segments present, so a graph replayed for fewer rows than
-    it was captured for spreads each row's keys over more programs.
+    it was captured for spreads each row's keys over more programs; `min_live_segments` is the fewest a replay holds
+    (`split_grid`).
     """
     num_queries, num_heads, head_dim = query.shape
     num_kv_heads = key_pool.shape[2]
@@ -434,15 +456,11 @@ def paged_dense_attention(
     num_q_blocks = triton.cdiv(max_len, block_m)
     target = _TARGET_PROGRAMS if logits is None else _TARGET_PROGRAMS_STORING_LOGITS
     programs = num_kv_heads * num_q_blocks  # per segment
-    splits = num_splits or _num_splits(num_segments * programs, max_context, _MIN_KEYS_PER_SPLIT, target=target)
-    # A fixed `num_splits` is used as given; the live count applies to a count the kernel chooses.
-    counts_live = live_segments is not None and num_splits is None
-    if counts_live:
-        # Room for what a replay of fewer rows would use, up to the count of a quarter of the grid's rows (a graph
-        # serves rows down to a quarter of its bucket, `cuda_graphs.REUSE_FACTOR`): unused splits cost little, but
-        # a full replay pays for each of them.
-        splits = min(_num_splits(programs, max_context, _MIN_KEYS_PER_SPLIT, target=target), 4 * splits)
-        counts_live = splits > 1
+    if num_splits is not None:  # used as given; the live count applies to a count the kernel chooses
+        splits, counts_live = num_splits, False
+    else:
+        live_floor = min_live_segments if live_segments is not None else None
+        splits, counts_live = split_grid(num_segments, programs, max_context, target, live_floor)
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     grid = (num_segments, num_kv_heads, num_q_blocks * splits)
