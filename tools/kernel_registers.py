@@ -66,8 +66,14 @@ def _signature(fn, constants: dict, element_size: int) -> tuple[dict, dict, dict
     return signature, {name: value for name, value in constants.items() if name in names}, attrs
 
 
-def _kernel(shape: str, kind: str, split: bool) -> tuple:
-    """The kernel, its constants and launch options of `kind` at `shape`, as the engine launches it."""
+KEY_RANGES = ("whole", "split", "live")
+"""How a dense launch's programs find their keys: the whole context (an unsplit launch storing logits), a share of
+a fixed split count, or a share of a count read on the device (a CUDA graph counting its live requests)."""
+
+
+def _kernel(shape: str, kind: str, keys: str) -> tuple:
+    """The kernel, its constants and launch options of `kind` at `shape` with key range `keys`, as the engine
+    launches it."""
     heads, kv_heads, head_dim, element_size = SHAPES[shape]
     group = heads // kv_heads
     precision = "tf32" if element_size == 2 else "tf32x3"
@@ -81,14 +87,14 @@ def _kernel(shape: str, kind: str, split: bool) -> tuple:
     block_m, rows, settings = tb.query_tiling(1 if kind == "decode" else DRAFT_LEN + 1, group, head_dim, stores,
                                               element_size)
     constants = dict(common, BLOCK_M=block_m, ROWS=rows, BLOCK_N=settings["BLOCK_N"], STORE_LOGITS=stores,
-                     ONE_Q_BLOCK=True, COUNT_LIVE=False, TARGET_PROGRAMS=tb._TARGET_PROGRAMS,
-                     MIN_KEYS=tb._MIN_KEYS_PER_SPLIT, WHOLE_CONTEXT=stores and not split)
+                     ONE_Q_BLOCK=True, COUNT_LIVE=keys == "live", TARGET_PROGRAMS=tb._TARGET_PROGRAMS,
+                     MIN_KEYS=tb._MIN_KEYS_PER_SPLIT, WHOLE_CONTEXT=keys == "whole")
     return tb._dense_varlen_kernel, constants, settings
 
 
-def resources(shape: str, kind: str, split: bool, arch: int = 90) -> dict:
+def resources(shape: str, kind: str, keys: str = "split", arch: int = 90) -> dict:
     """Registers, spill stack (bytes per thread) and shared memory (bytes) of one kernel variant."""
-    fn, constants, settings = _kernel(shape, kind, split)
+    fn, constants, settings = _kernel(shape, kind, keys)
     element_size = SHAPES[shape][3]
     signature, constants, attrs = _signature(fn, constants, element_size)
     options = {"num_warps": settings["num_warps"], "num_stages": settings["num_stages"]}
@@ -125,10 +131,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"{'shape':18s} {'kind':14s} {'keys':6s} {'regs':>5s} {'stack':>6s} {'shared':>7s} {'per SM':>6s}")
     for shape in shapes:
         for kind in kinds:
-            # Only the unsplit launch storing logits compiles a variant of its own (`WHOLE_CONTEXT`).
-            for split in ((False, True) if kind == "verify-logits" else (True,)):
-                r = resources(shape, kind, split, args.arch)
-                keys = "any" if kind != "verify-logits" else "split" if split else "whole"
+            # Only a launch storing logits reads the whole context by a variant of its own (`WHOLE_CONTEXT`); only
+            # block graphs (the verify kinds) count live requests; the sparse kernel has one variant.
+            ranges = {"verify-logits": KEY_RANGES, "verify": ("split", "live"), "decode": ("split",)}
+            for keys in ranges.get(kind, ("any",)):
+                r = resources(shape, kind, keys, args.arch)
                 rows.append({"shape": shape, "kind": kind, "keys": keys, **r})
                 print(f"{shape:18s} {kind:14s} {keys:6s} {r['registers']:5d} {r['stack']:6d} {r['shared']:7d} "
                       f"{r['programs_per_sm']:6d}", flush=True)
