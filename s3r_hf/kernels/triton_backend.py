@@ -456,7 +456,7 @@ def paged_dense_attention(
     num_q_blocks = triton.cdiv(max_len, block_m)
     target = _TARGET_PROGRAMS if logits is None else _TARGET_PROGRAMS_STORING_LOGITS
     programs = num_kv_heads * num_q_blocks  # per segment
-    if num_splits is not None:  # used as given; the live count applies to a count the kernel chooses
+    if num_splits:  # used as given; the live count applies to a count the kernel chooses
         splits, counts_live = num_splits, False
     else:
         live_floor = min_live_segments if live_segments is not None else None
