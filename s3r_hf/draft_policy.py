@@ -168,6 +168,7 @@ class _BucketCosts:
     interval_probe_gap: int = 0  # in cycles
     next_interval_probe: int = 0
     extends_measured: bool = False  # a drafting round that only extended the views was timed here
+    probes: int = 0  # probes of a draft length started here (reported: where a call's probing went)
 
     def add(self, key: tuple[int, bool, bool], seconds: float, samples: int) -> None:
         kept = self.seconds.setdefault(key, deque(maxlen=samples))
@@ -463,14 +464,15 @@ class AdaptiveDraftLength:
 
     def report(self) -> list[dict]:
         """What the rule measured, per bucket (benchmarks print it): rows and context bucket (lower bounds), rounds
-        seen, the current choice and refresh interval, and the estimated seconds of a round per draft length (at the
-        interval chosen last)."""
+        seen, probes started, the current choice and refresh interval, and the estimated seconds of a round per draft
+        length (at the interval chosen last)."""
         rows = []
         for (rows_log, context_log), bucket in sorted(self.buckets.items()):
             lengths = sorted(bucket.measured_lengths())
             rows.append({
                 "rows_from": 2 ** (rows_log - 1) + 1 if rows_log else 1, "rows_to": 2**rows_log,
-                "context_from": 2**context_log, "rounds": bucket.rounds, "choice": bucket.choice,
+                "context_from": 2**context_log, "rounds": bucket.rounds, "probes": bucket.probes,
+                "choice": bucket.choice,
                 "refresh_interval": bucket.interval,
                 "seconds": {k: bucket.round_cost(k, bucket.interval) for k in lengths},
                 "samples": {k: sum(len(v) for key, v in bucket.seconds.items() if key[0] == k) for k in lengths},
@@ -558,6 +560,7 @@ class AdaptiveDraftLength:
         `_affordable_gap`."""
         k = self._probe_length(bucket, best)
         bucket.probe_k, bucket.probe_left = k, self.probe_rounds - 1
+        bucket.probes += 1
         doubled = min(self.max_probe_gap, max(self.min_probe_gap, 2 * bucket.probe_gap))
         bucket.probe_gap = max(doubled, self._affordable_gap(values, best, k))
         bucket.next_probe = bucket.rounds + bucket.probe_gap

@@ -279,6 +279,11 @@ def run_call(
         output, seconds = timed_generate(model, batch, **common, **extra)
     record = call_record(output, seconds, batch["input_ids"].shape[1], eos_ids, common.get("pad_token_id"))
     del output
+    if mode == "s3r-adaptive":  # probes started so far per (rows, context) bucket: calls' differences say where
+        record["policy_probes"] = {  # each call's probing went (the rule is kept across calls)
+            f"{bucket['rows_from']}-{bucket['rows_to']} rows, context {bucket['context_from']}+": bucket["probes"]
+            for bucket in adaptive_policy(model, extra["s3r_config"]).report()
+        }
     console.print(f"  {mode} call {call + 1}: {record['seconds']:.2f} s, {record['tokens']} tokens "
                   f"({record['tokens_per_s']:,.0f} tok/s), longest {record['max_length']}", highlight=False)
     captured = record.get("stats", {}).get("captured_graphs")

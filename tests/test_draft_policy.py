@@ -203,13 +203,17 @@ def test_drafting_that_barely_pays_does_not_replace_dense_decoding():
     alpha = 0.8
     tokens = 1 + sum(alpha**i for i in range(1, 7))  # E[τ(6)] at this acceptance
     barely = adaptive_for(6)
-    choices = _drive(barely, lambda k: tokens / 1.15 if k else 1.0, alpha=alpha, rounds=600)
+    choices = barely_choices = _drive(barely, lambda k: tokens / 1.15 if k else 1.0, alpha=alpha, rounds=600)
     assert choices[-200:].count(0) >= 190
     clearly = adaptive_for(6)
     choices = _drive(clearly, lambda k: tokens / 1.35 if k else 1.0, alpha=alpha, rounds=600)
     assert choices[-200:].count(6) >= 190
     report = clearly.report()
     assert report and report[0]["choice"] == 6 and set(report[0]["seconds"]) == {0, 6}
+    # The report counts the probes started in a bucket: every switch from dense decoding to drafting but the first,
+    # which measures drafting before any choice is made.
+    probes = barely.report()[0]["probes"]
+    assert probes > 0 and probes == _probe_starts(barely_choices) - 1
 
 
 def test_drafting_goes_on_while_it_wins_by_half_the_switch_margin():

@@ -55,6 +55,10 @@ def test_rollout_runs_every_mode_on_a_random_shape(tmp_path, capsys):
             assert list(by_rows)[0] == "4" and set(by_rows) <= {"4", "2", "1"}
             assert sum(bucket["tokens"] for bucket in by_rows.values()) == 4 * 10 - 4
     assert point["modes"]["s3r-fixed"]["summary"]["num_drafts"] > 0
+    # Each adaptive call records the probes the kept rule has started so far, per bucket: never fewer than before.
+    first, second = (call["policy_probes"] for call in point["modes"]["s3r-adaptive"]["calls"])
+    assert first and all(second[bucket] >= count for bucket, count in first.items())
+    assert sum(second.values()) == sum(bucket["probes"] for bucket in point["modes"]["s3r-adaptive"]["policy"])
     assert set(point["ratios"]["s3r-adaptive"]) == {
         "warm_vs_ar", "cold_vs_ar", "warm_time_vs_ar", "warm_vs_generate", "cold_vs_generate"}
     # Random shapes run every response to max_new_tokens: both ratios compare the same tokens.
