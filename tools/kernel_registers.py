@@ -123,9 +123,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     shapes, kinds = args.shapes.split(","), args.kinds.split(",")
-    for name in (*shapes, *kinds):
-        if name not in SHAPES and name not in KINDS:
-            parser.error(f"unknown shape or kind {name!r}")
+    for name in shapes:
+        if name not in SHAPES:
+            parser.error(f"unknown shape {name!r} (known: {', '.join(SHAPES)})")
+    for name in kinds:
+        if name not in KINDS:
+            parser.error(f"unknown kind {name!r} (known: {', '.join(KINDS)})")
     print(f"triton {triton.__version__}, sm_{args.arch}")
     rows = []
     print(f"{'shape':18s} {'kind':14s} {'keys':6s} {'regs':>5s} {'stack':>6s} {'shared':>7s} {'per SM':>6s}")
