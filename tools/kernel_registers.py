@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -40,6 +41,7 @@ SHAPES = {  # heads, KV heads, head dim, bytes per element
 }
 KINDS = ("decode", "verify", "verify-logits", "sparse")
 DRAFT_LEN = 6
+PAGE_SIZE = 16
 
 
 def _signature(fn, constants: dict, element_size: int) -> tuple[dict, dict, dict]:
@@ -72,32 +74,26 @@ a fixed split count, or a share of a count read on the device (a CUDA graph coun
 
 
 def _kernel(shape: str, kind: str, keys: str) -> tuple:
-    """The kernel, its constants and launch options of `kind` at `shape` with key range `keys`, as the engine
-    launches it."""
+    """The kernel of `kind` at `shape` with key range `keys`, and its constants and launch options as the engine's
+    launch passes them (`triton_backend.sparse_constants` / `dense_constants`)."""
     heads, kv_heads, head_dim, element_size = SHAPES[shape]
-    group = heads // kv_heads
-    precision = "tf32" if element_size == 2 else "tf32x3"
-    common = dict(PAGE_SIZE=16, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-                  PRECISION=precision)
+    group, dtype = heads // kv_heads, torch.bfloat16 if element_size == 2 else torch.float32
     if kind == "sparse":
-        settings = tb.launch_settings(head_dim, element_size=element_size)
-        constants = dict(common, ROWS=max(16, triton.next_power_of_2(group)), BLOCK_N=settings["BLOCK_N"])
-        return tb._sparse_decode_kernel, constants, settings
+        return tb._sparse_decode_kernel, tb.sparse_constants(group, head_dim, PAGE_SIZE, dtype)
     stores = kind == "verify-logits"
-    block_m, rows, settings = tb.query_tiling(1 if kind == "decode" else DRAFT_LEN + 1, group, head_dim, stores,
-                                              element_size)
-    constants = dict(common, BLOCK_M=block_m, ROWS=rows, BLOCK_N=settings["BLOCK_N"], STORE_LOGITS=stores,
-                     ONE_Q_BLOCK=True, COUNT_LIVE=keys == "live", TARGET_PROGRAMS=tb._TARGET_PROGRAMS,
-                     MIN_KEYS=tb._MIN_KEYS_PER_SPLIT, WHOLE_CONTEXT=keys == "whole")
-    return tb._dense_varlen_kernel, constants, settings
+    max_len = 1 if kind == "decode" else DRAFT_LEN + 1
+    block_m, rows, settings = tb.query_tiling(max_len, group, head_dim, stores, element_size)
+    splits = 1 if keys == "whole" else 2
+    constants = tb.dense_constants(group, head_dim, PAGE_SIZE, dtype, block_m, rows, settings, stores,
+                                   triton.cdiv(max_len, block_m) == 1, keys == "live", splits)
+    return tb._dense_varlen_kernel, constants
 
 
 def resources(shape: str, kind: str, keys: str = "split", arch: int = 90) -> dict:
     """Registers, spill stack (bytes per thread) and shared memory (bytes) of one kernel variant."""
-    fn, constants, settings = _kernel(shape, kind, keys)
-    element_size = SHAPES[shape][3]
-    signature, constants, attrs = _signature(fn, constants, element_size)
-    options = {"num_warps": settings["num_warps"], "num_stages": settings["num_stages"]}
+    fn, constants = _kernel(shape, kind, keys)
+    options = {name: constants.pop(name) for name in ("num_warps", "num_stages")}
+    signature, constants, attrs = _signature(fn, constants, SHAPES[shape][3])
     compiled = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", arch, 32),
                               options=options)
     with tempfile.TemporaryDirectory() as folder:
@@ -108,7 +104,7 @@ def resources(shape: str, kind: str, keys: str = "split", arch: int = 90) -> dic
     match = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
     registers, shared = int(match.group(1)), compiled.metadata.shared
     # An SM holds 64K registers, allocated in steps of eight per thread, and about 227 KiB of shared memory.
-    by_registers = 65536 // (32 * settings["num_warps"] * (-(-registers // 8) * 8))
+    by_registers = 65536 // (32 * options["num_warps"] * (-(-registers // 8) * 8))
     return {
         "registers": registers, "stack": int(match.group(2)), "shared": shared,
         "programs_per_sm": min(by_registers, 232448 // max(shared, 1)),

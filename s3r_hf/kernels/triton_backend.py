@@ -158,11 +158,19 @@ def paged_sparse_attention(
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         scale,
-        PAGE_SIZE=key_pool.shape[1], GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
-        **launch_settings(head_dim, element_size=query.element_size()),
+        **sparse_constants(group, head_dim, key_pool.shape[1], query.dtype),
     )
     return merge_splits(out, lse, query.dtype)
+
+
+def sparse_constants(group: int, head_dim: int, page_size: int, dtype: torch.dtype) -> dict:
+    """The sparse kernel's compile-time constants and launch options: what the launch passes, and what
+    `tools/kernel_registers.py` compiles."""
+    return dict(
+        PAGE_SIZE=page_size, GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(dtype),
+        **launch_settings(head_dim, element_size=dtype.itemsize),
+    )
 
 
 def sparse_splits(rows: int, num_kv_heads: int, keys: int, head_dim: int, element_size: int) -> int:
@@ -243,6 +251,26 @@ def _num_splits(programs: int, keys: int, min_keys: int, target: int = _TARGET_P
     # Rounded down to a power of two: at the SmolLM2 grid 3 splits, the plain quotient, timed slower than 2 and 4
     # (docs/benchmarks.md, "Kernel launch settings").
     return 1 << (wanted.bit_length() - 1)
+
+
+def _target_programs(stores_logits: bool) -> int:
+    return _TARGET_PROGRAMS_STORING_LOGITS if stores_logits else _TARGET_PROGRAMS
+
+
+def dense_constants(
+    group: int, head_dim: int, page_size: int, dtype: torch.dtype, block_m: int, rows: int, settings: dict,
+    stores_logits: bool, one_q_block: bool, counts_live: bool, splits: int,
+) -> dict:
+    """The dense kernel's compile-time constants and launch options for a launch tiled as `query_tiling` says
+    (`block_m`, `rows`, `settings`) over `splits` key splits: what the launch passes, and what
+    `tools/kernel_registers.py` compiles."""
+    return dict(
+        PAGE_SIZE=page_size, GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(dtype), **settings,
+        STORE_LOGITS=stores_logits, ONE_Q_BLOCK=one_q_block, COUNT_LIVE=counts_live,
+        TARGET_PROGRAMS=_target_programs(stores_logits), MIN_KEYS=_MIN_KEYS_PER_SPLIT,
+        WHOLE_CONTEXT=stores_logits and splits == 1,
+    )
 
 
 def split_grid(
@@ -454,7 +482,7 @@ def paged_dense_attention(
     scratch = logits if logits is not None else positions  # any valid pointer when no logits are stored
     block_m, rows, settings = query_tiling(max_len, group, head_dim, logits is not None, query.element_size())
     num_q_blocks = triton.cdiv(max_len, block_m)
-    target = _TARGET_PROGRAMS if logits is None else _TARGET_PROGRAMS_STORING_LOGITS
+    target = _target_programs(logits is not None)
     programs = num_kv_heads * num_q_blocks  # per segment
     if num_splits:  # used as given; the live count applies to a count the kernel chooses
         splits, counts_live = num_splits, False
@@ -476,11 +504,8 @@ def paged_dense_attention(
         scratch.stride(1) if logits is not None else 0,
         scratch.stride(2) if logits is not None else 0,
         scale, num_q_blocks,
-        PAGE_SIZE=key_pool.shape[1], GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(query.dtype),
-        **settings, STORE_LOGITS=logits is not None, ONE_Q_BLOCK=num_q_blocks == 1,
-        COUNT_LIVE=counts_live, TARGET_PROGRAMS=target, MIN_KEYS=_MIN_KEYS_PER_SPLIT,
-        WHOLE_CONTEXT=logits is not None and splits == 1,
+        **dense_constants(group, head_dim, key_pool.shape[1], query.dtype, block_m, rows, settings, logits is not None,
+                          num_q_blocks == 1, counts_live, splits),
     )
     live = (live_segments, programs, target) if counts_live else None
     out, lse = merge_splits(out, lse, query.dtype, live)
