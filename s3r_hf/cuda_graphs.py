@@ -21,7 +21,8 @@ that size the padding adds GEMM work to every step of the tail, in every later c
 once. For the same reason a verify block of drafts whose forward would hold at most that many tokens is captured
 at the widest bucket that does (32 requests of 7 tokens): a later call's tail may draft at row counts the first
 never reached, and one graph serves them all. It is captured ahead, from padding rows, when a wider verify graph
-of its block width is first captured, so a later call's tail finds it even if the first call's never drafted there.
+of its block width is first captured, so a later call's tail finds it even if the first call's never drafted there;
+so is any bucket between the two that neither serves (48 requests, under a graph of 256: `keys_ahead`).
 
 There is no bucket of one row: torch.compile specializes a dimension of size 1, so with compiled layers the first
 step down to one request would compile every layer's frames again, in whichever call (a later GRPO step) a tail
@@ -60,6 +61,11 @@ _BLOCK_KINDS = ("verify", "block")
 def _bucket_for(rows: int) -> int:
     """The smallest bucket that holds `rows` rows (the largest bucket for more)."""
     return next(b for b in BUCKETS if b >= min(rows, BUCKETS[-1]))
+
+
+def _fewest_reusing(bucket: int) -> int:
+    """The fewest rows that replay a captured `bucket` within `REUSE_FACTOR` (`DecodeGraphs._key`)."""
+    return next(rows for rows in range(1, bucket + 1) if REUSE_FACTOR * _bucket_for(rows) >= bucket)
 
 
 @dataclass
@@ -155,7 +161,7 @@ class DecodeGraphs:
             self._fill(kind, step, input_ids, plan, count)
             step.graph, step.logits = self._capture(lambda: self.forward(step.input_ids, step.plan), key, precision)
             self.steps[key] = step
-            self._capture_tail_ahead(key, precision)
+            self._capture_ahead(key, precision)
         else:
             self._fill(kind, step, input_ids, plan, count)
         step.graph.replay()
@@ -255,29 +261,45 @@ class DecodeGraphs:
     def _fewest_rows(self, kind: str, bucket: int, width: int) -> int:
         """The fewest requests a block graph of `bucket` rows replays with (`_key`): a graph within
         `REPLAY_LARGER_TOKENS` may serve any smaller tail; a wider one has a tail graph, captured with it
-        (`_capture_tail_ahead`), that serves every count up to the tail's bucket, and serves no count whose own
+        (`_capture_ahead`), that serves every count up to the tail's bucket, and serves no count whose own
         bucket is more than `REUSE_FACTOR` times smaller. Its attention sizes the key splits of its grid for that
         many (`triton_backend.split_grid`)."""
         tail = self.tail_key((kind, bucket, 0, width, None))
         if tail is None:
             return 1
-        reused_from = next(rows for rows in range(1, bucket + 1) if REUSE_FACTOR * _bucket_for(rows) >= bucket)
-        return max(tail[1] + 1, reused_from)
+        return max(tail[1] + 1, _fewest_reusing(bucket))
 
-    def _capture_tail_ahead(self, key: tuple, precision: str) -> None:
-        """Capture the tail's verify graph of a block graph just captured wider than `REPLAY_LARGER_TOKENS`, from
-        padding rows alone. A sampled call's tail reaches row counts that change from call to call; captured now,
-        that graph is ready when a later call's tail first drafts at them, instead of being captured in that call."""
-        tail_key = self.tail_key(key)
-        if tail_key is None or tail_key in self.steps:
-            return
-        kind, bucket, _, width, _ = tail_key
-        step = self._static_step(kind, bucket, width)
-        self._fill_padding(kind, step)
-        step.graph, step.logits = self._capture(
-            lambda: self.forward(step.input_ids, step.plan), tail_key, precision
-        )
-        self.steps[tail_key] = step
+    @classmethod
+    def keys_ahead(cls, key: tuple) -> list[tuple]:
+        """The block graphs to capture with a block graph `key` wider than `REPLAY_LARGER_TOKENS`, so that every
+        smaller request count of its width replays a captured graph (`_key`): the tail's graph (`tail_key`) and, where
+        the fewest requests `key` serves (`REUSE_FACTOR`) leave a gap above the tail's bucket, the buckets that fill
+        it, widest first. Empty for other graphs."""
+        tail = cls.tail_key(key)
+        if tail is None:
+            return []
+        kind, bucket, capacity, width, variant = key
+        keys = [tail]
+        while (fewest := _fewest_reusing(bucket)) > tail[1] + 1:
+            bucket = _bucket_for(fewest - 1)
+            keys.append((kind, bucket, capacity, width, variant))
+        return keys
+
+    def _capture_ahead(self, key: tuple, precision: str) -> None:
+        """Capture, from padding rows alone, the block graphs `keys_ahead` names for a block graph just captured. A
+        sampled call's tail reaches row counts that change from call to call, and the adaptive rule's probes draft
+        at row counts it had not drafted at before; captured now, those graphs are ready when a later call first
+        drafts there, instead of being captured in that call."""
+        for ahead in self.keys_ahead(key):
+            if ahead in self.steps:
+                continue
+            kind, bucket, _, width, _ = ahead
+            step = self._static_step(kind, bucket, width)
+            self._fill_padding(kind, step)
+            step.graph, step.logits = self._capture(
+                lambda step=step: self.forward(step.input_ids, step.plan), ahead, precision
+            )
+            self.steps[ahead] = step
 
     def _fill_padding(self, kind: str, step: _CapturedStep) -> None:
         """Static buffers of a block graph holding no request: every token slot is in the padding segment, which

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 import s3r_hf
 from s3r_hf import S3RConfig
-from s3r_hf.cuda_graphs import DecodeGraphs
+from s3r_hf.cuda_graphs import BUCKETS, DecodeGraphs
 from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
 from tests.conftest import left_padded_batch, tiny_model
 
@@ -89,6 +90,25 @@ def test_a_wide_verify_graph_names_its_tails_graph_to_capture_ahead_from_padding
     for buffer in (step.input_ids, step.plan.position_ids, dense.positions, dense.block_tables, dense.history_lens):
         assert buffer.eq(0).all()
     assert dense.live_segments.tolist() == [32]
+
+
+def test_the_graphs_captured_ahead_leave_no_request_count_of_a_later_call_to_capture():
+    """With a wide block graph and the graphs `keys_ahead` names for it captured, a later call (`replay_larger`)
+    replays a captured graph at every request count up to the wide one's, whatever the block width: under a verify
+    graph of 256 requests of 7 tokens, 33-48 requests are a bucket of their own (a graph of 256 serves no fewer than
+    49 within `REUSE_FACTOR`, the tail's graph of 32 no more than 32)."""
+    assert DecodeGraphs.keys_ahead(("verify", 256, 0, 7, None)) == [("verify", 32, 0, 7, None),
+                                                                    ("verify", 48, 0, 7, None)]
+    assert DecodeGraphs.keys_ahead(("block", 64, 3, 7, None)) == [("block", 32, 3, 7, None)]
+    assert DecodeGraphs.keys_ahead(("verify", 32, 0, 7, None)) == []
+    assert DecodeGraphs.keys_ahead(("dense", 256, 0, 1, None)) == []
+    graphs = DecodeGraphs(SimpleNamespace(page_size=4), forward=None, max_pages=8, draft_len=6, max_candidates=16)
+    graphs.replay_larger = True
+    for kind, width, bucket in itertools.product(("verify", "block"), range(2, 8), BUCKETS):
+        key = (kind, bucket, 0, width, None)
+        graphs.steps = dict.fromkeys([key, *DecodeGraphs.keys_ahead(key)])
+        for rows in range(1, bucket + 1):
+            assert graphs._key(kind, rows, 0, width) in graphs.steps, (key, rows)
 
 
 def test_a_block_graph_replay_tells_the_attention_how_many_requests_are_real():
