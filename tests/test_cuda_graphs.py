@@ -184,7 +184,8 @@ def test_later_calls_drafting_at_fewer_rows_share_one_tail_verify_graph():
     for a few rows), and captures ahead, from padding rows, the verify graph of 32 requests, the widest within
     `REPLAY_LARGER_TOKENS`. Later calls that draft at 2 and 8 rows replay it and capture nothing, and a greedy call
     at 5 rows that replays it equals dense decoding. The acceptance of the others is forced to 1 so that every row
-    of a call finishes in the same round (no call reaches fewer rows than it starts with)."""
+    of a call finishes in the same round (no call reaches fewer rows than it starts with). In a fresh runtime, after a
+    call at 200 rows (a graph of 256, with those of 32 and 48 captured ahead), a call at 40 rows captures nothing."""
     model = s3r_hf.enable(tiny_model("qwen3", seed=33).cuda())
     config = S3RConfig(adaptive=False, draft_len=6, budget_ratio=0.1, min_budget=2, page_size=4, cuda_graphs=True)
 
@@ -199,6 +200,11 @@ def test_later_calls_drafting_at_fewer_rows_share_one_tail_verify_graph():
     assert first.index("verify 48x7") + 1 == first.index("verify 32x7")  # captured ahead, right after the wide one
     assert captures(2, seed=35) == []
     assert captures(8, seed=36) == []
+    # Under a verify graph of 256 requests, 33-48 requests need a graph of their own, captured ahead with it.
+    s3r_hf.release(model)  # a fresh runtime: no graph of 32 or 48 requests kept
+    widest = captures(200, seed=38)
+    assert widest.index("verify 256x7") + 1 == widest.index("verify 32x7") == widest.index("verify 48x7") - 1
+    assert captures(40, seed=39) == []
     input_ids, attention_mask = (t.cuda() for t in left_padded_batch([12, 7, 15, 9, 11], seed=37))
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=30, eos_token_id=None)
     out = model.generate(input_ids, s3r_config=config, return_dict_in_generate=True, **kwargs)
