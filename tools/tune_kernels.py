@@ -45,6 +45,11 @@ LAUNCHES = [
     {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
     {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
     {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    # Two stages with smaller tiles or more warps: the float32 verify kernels' variants without spills (compiled
+    # offline for sm_90 by tools/kernel_registers.py, where the chosen one spills 40-64 bytes).
+    {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2},
+    {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
 ]
 BLOCK = 7  # verify queries per request (draft_len 6 + 1)
 
