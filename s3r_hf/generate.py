@@ -82,21 +82,28 @@ def generate(
     it to vary `k` from round to round).
     """
     config = S3RConfig.coerce(s3r_config)
-    streamer = check_generate_call(model, generation_config, logits_processor, model_kwargs, streamer, synced_gpus)
-    if config.return_logprobs and not generation_config.return_dict_in_generate:
-        logger.warning_once(
-            "S3RConfig(return_logprobs=True) is ignored without return_dict_in_generate=True (generate then returns "
-            "the sequences tensor only, as it ignores output_scores)"
-        )
+    # transformers has fed the prompt to the streamer already: a refused call ends it, so that its consumer does
+    # not wait forever.
+    try:
+        streamer = check_generate_call(model, generation_config, logits_processor, model_kwargs, streamer, synced_gpus)
+        if config.return_logprobs and not generation_config.return_dict_in_generate:
+            logger.warning_once(
+                "S3RConfig(return_logprobs=True) is ignored without return_dict_in_generate=True (generate then "
+                "returns the sequences tensor only, as it ignores output_scores)"
+            )
 
-    attention_mask = model_kwargs.get("attention_mask")
-    prompts = prompt_rows(input_ids, attention_mask)
-    padded_len = input_ids.shape[1]
-    eos_ids, max_length = _native_stops(stopping_criteria, generation_config)
-    max_new = max_length - padded_len
-    check_context_window(model, prompts, max_new)
-    if config.fused_layers:
-        check_fusable(model)  # before a KV pool is allocated or a request admitted
+        attention_mask = model_kwargs.get("attention_mask")
+        prompts = prompt_rows(input_ids, attention_mask)
+        padded_len = input_ids.shape[1]
+        eos_ids, max_length = _native_stops(stopping_criteria, generation_config)
+        max_new = max_length - padded_len
+        check_context_window(model, prompts, max_new)
+        if config.fused_layers:
+            check_fusable(model)  # before a KV pool is allocated or a request admitted
+    except BaseException:
+        if streamer is not None:
+            streamer.end()
+        raise
 
     device = model.device
     greedy = not generation_config.do_sample
@@ -135,8 +142,12 @@ def generate(
     # The model's kept runtime is this call's until it returns: another thread's call waits (`model_session.hold`).
     with hold(model), on_device(device):
         runtime = runtime_for(model) if config.keep_state else ModelRuntime()
-        runtime.check_model(model)
-        cache = _kv_pool(runtime, requests, config, model, device)
+        try:
+            runtime.check_model(model)
+            cache = _kv_pool(runtime, requests, config, model, device)
+        except BaseException:
+            stopping.end()  # refused (the model's state, no room for the requests): nothing ran
+            raise
         engine = S3REngine(
             model, config, sampling, cache, mode=s3r_mode, forced_acceptance=s3r_forced_acceptance, timing=s3r_timing,
             draft_policy=s3r_draft_policy if s3r_draft_policy is not None else _kept_policy(model, config, s3r_mode),

@@ -13,6 +13,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import s3r_hf
 from s3r_hf import S3RConfig
+from s3r_hf.cache.page_allocator import KVCapacityError
 from tests.conftest import left_padded_batch, tiny_model, tiny_tokenizer, word_model
 
 CONFIG = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
@@ -67,6 +68,23 @@ def test_text_iterator_streamer_consumer_gets_the_text_and_returns():
         call.join(60)
     assert texts["s3r"] == texts["dense"]
     assert texts["dense"].strip()
+
+
+@pytest.mark.parametrize("refusal", ["context window", "KV pool"])
+def test_a_refused_call_ends_its_streamer(refusal):
+    """transformers feeds the prompt to the streamer before S3R runs: a call S3R refuses (new tokens past the
+    context window, checked before the requests are built; a KV pool too small for them, once they are) still ends
+    the streamer, so that a consumer in another thread returns instead of waiting forever."""
+    model = s3r_hf.enable(word_model(seed=62))  # a context window of 128 positions
+    input_ids, _ = left_padded_batch([12], seed=3)
+    if refusal == "context window":
+        max_new, config, error = 130, CONFIG, ValueError
+    else:
+        max_new, config, error = 20, S3RConfig(page_size=4, num_pages=2), KVCapacityError
+    streamer = RecordingStreamer()
+    with pytest.raises(error):
+        model.generate(input_ids, do_sample=False, max_new_tokens=max_new, streamer=streamer, s3r_config=config)
+    assert streamer.ended
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
