@@ -19,7 +19,7 @@ from s3r_hf.config import S3RConfig
 from s3r_hf.draft_policy import DraftLengthPolicy
 from s3r_hf.engine import S3REngine, SamplingSetup
 from s3r_hf.fused_layers import check_fusable
-from s3r_hf.generate_kwargs import check_generate_call, stop_strings_as_criterion
+from s3r_hf.generate_kwargs import check_generate_call, dropped_generate_arguments, stop_strings_as_criterion
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.model_session import hold, on_device
 from s3r_hf.request import Request
@@ -82,8 +82,10 @@ def generate(
     it to vary `k` from round to round).
     """
     config = S3RConfig.coerce(s3r_config)
-    # transformers has fed the prompt to the streamer already: a refused call ends it, so that its consumer does
-    # not wait forever.
+    # transformers has fed the prompt to the streamer already (and 5.x drops it from the call): a refused call ends
+    # it, so that its consumer does not wait forever.
+    if streamer is None:
+        streamer = dropped_generate_arguments().get("streamer")
     try:
         streamer = check_generate_call(model, generation_config, logits_processor, model_kwargs, streamer, synced_gpus)
         if config.return_logprobs and not generation_config.return_dict_in_generate:

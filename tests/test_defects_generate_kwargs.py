@@ -70,14 +70,18 @@ def test_text_iterator_streamer_consumer_gets_the_text_and_returns():
     assert texts["dense"].strip()
 
 
-@pytest.mark.parametrize("refusal", ["context window", "KV pool"])
+@pytest.mark.parametrize("refusal", ["context window", "KV pool", "dropout in training mode"])
 def test_a_refused_call_ends_its_streamer(refusal):
-    """transformers feeds the prompt to the streamer before S3R runs: a call S3R refuses (new tokens past the
-    context window, checked before the requests are built; a KV pool too small for them, once they are) still ends
+    """transformers feeds the prompt to the streamer before S3R runs: a call S3R refuses (a model in training mode with
+    dropout, among the first checks; new tokens past the context window, before the requests are built; a KV pool
+    too small for them, once they are) still ends
     the streamer, so that a consumer in another thread returns instead of waiting forever."""
-    model = s3r_hf.enable(word_model(seed=62))  # a context window of 128 positions
+    model = s3r_hf.enable(word_model(seed=62, attention_dropout=0.1))  # a context window of 128 positions
+    model.train(refusal == "dropout in training mode")
     input_ids, _ = left_padded_batch([12], seed=3)
-    if refusal == "context window":
+    if refusal == "dropout in training mode":
+        max_new, config, error = 20, CONFIG, ValueError
+    elif refusal == "context window":
         max_new, config, error = 130, CONFIG, ValueError
     else:
         max_new, config, error = 20, S3RConfig(page_size=4, num_pages=2), KVCapacityError
