@@ -16,7 +16,7 @@ from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.cache.score_recorder import VerifyScoreRecorder
 from s3r_hf.config import S3RConfig
 from s3r_hf.engine import S3REngine, SamplingSetup
-from s3r_hf.generate_kwargs import check_generate_call
+from s3r_hf.generate_kwargs import check_generate_call, streamer_ended_on_error
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.model_session import on_device
 from s3r_hf.request import Request, RequestStatus
@@ -168,22 +168,30 @@ def assisted_generate(
     """
     config = S3RConfig.coerce(s3r_config)
     streamer = check_generate_call(model, generation_config, logits_processor, model_kwargs, streamer, synced_gpus)
-    prompt_rows(input_ids, model_kwargs.get("attention_mask"))
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"assisted decoding runs batch size 1, got {input_ids.shape[0]} rows; use s3r_hf.generate")
-    if model_kwargs.get("attention_mask") is not None and not bool(model_kwargs["attention_mask"].all()):
-        raise ValueError("assisted decoding with S3R takes an unpadded prompt")
-    max_tokens = generation_config.max_length + config.draft_len + 1
-    cache = S3RCache(
-        model.config, num_pages=-(-max_tokens // config.page_size), page_size=config.page_size, max_requests=1,
-        dtype=model.dtype, device=model.device,
-    )
-    cache_key = "cache" if "cache" in model_kwargs else "past_key_values"
-    model_kwargs[cache_key] = cache
-    model_kwargs.pop("position_ids", None)
-    generator = SparseSelfDraftCandidateGenerator(model, cache, config, generation_config, logits_processor)
-    with _candidate_generator_override(model, generator), s3r_attention(model, packed=False), on_device(model.device):
-        return GenerationMixin._assisted_decoding(
-            model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-            generation_config=generation_config, synced_gpus=False, streamer=streamer, **model_kwargs,
+    # transformers' loop ends the streamer when it finishes; until then a refusal or a failure ends it here.
+    with streamer_ended_on_error(streamer):
+        prompt_rows(input_ids, model_kwargs.get("attention_mask"))
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"assisted decoding runs batch size 1, got {input_ids.shape[0]} rows; use s3r_hf.generate"
+            )
+        if model_kwargs.get("attention_mask") is not None and not bool(model_kwargs["attention_mask"].all()):
+            raise ValueError("assisted decoding with S3R takes an unpadded prompt")
+        max_tokens = generation_config.max_length + config.draft_len + 1
+        cache = S3RCache(
+            model.config, num_pages=-(-max_tokens // config.page_size), page_size=config.page_size, max_requests=1,
+            dtype=model.dtype, device=model.device,
         )
+        cache_key = "cache" if "cache" in model_kwargs else "past_key_values"
+        model_kwargs[cache_key] = cache
+        model_kwargs.pop("position_ids", None)
+        generator = SparseSelfDraftCandidateGenerator(model, cache, config, generation_config, logits_processor)
+        with (
+            _candidate_generator_override(model, generator),
+            s3r_attention(model, packed=False),
+            on_device(model.device),
+        ):
+            return GenerationMixin._assisted_decoding(
+                model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                generation_config=generation_config, synced_gpus=False, streamer=streamer, **model_kwargs,
+            )

@@ -19,7 +19,7 @@ from s3r_hf.config import S3RConfig
 from s3r_hf.draft_policy import DraftLengthPolicy
 from s3r_hf.engine import S3REngine, SamplingSetup
 from s3r_hf.fused_layers import check_fusable
-from s3r_hf.generate_kwargs import check_generate_call, dropped_generate_arguments, stop_strings_as_criterion
+from s3r_hf.generate_kwargs import check_generate_call, stop_strings_as_criterion, streamer_ended_on_error
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.model_session import hold, on_device
 from s3r_hf.request import Request
@@ -82,18 +82,14 @@ def generate(
     it to vary `k` from round to round).
     """
     config = S3RConfig.coerce(s3r_config)
-    # transformers has fed the prompt to the streamer already (and 5.x drops it from the call): a refused call ends
-    # it, so that its consumer does not wait forever.
-    if streamer is None:
-        streamer = dropped_generate_arguments().get("streamer")
-    try:
-        streamer = check_generate_call(model, generation_config, logits_processor, model_kwargs, streamer, synced_gpus)
+    streamer = check_generate_call(model, generation_config, logits_processor, model_kwargs, streamer, synced_gpus)
+    # Until `stopping` owns the streamer (and ends it in any case), a refusal ends it here.
+    with streamer_ended_on_error(streamer):
         if config.return_logprobs and not generation_config.return_dict_in_generate:
             logger.warning_once(
                 "S3RConfig(return_logprobs=True) is ignored without return_dict_in_generate=True (generate then "
                 "returns the sequences tensor only, as it ignores output_scores)"
             )
-
         attention_mask = model_kwargs.get("attention_mask")
         prompts = prompt_rows(input_ids, attention_mask)
         padded_len = input_ids.shape[1]
@@ -102,20 +98,63 @@ def generate(
         check_context_window(model, prompts, max_new)
         if config.fused_layers:
             check_fusable(model)  # before a KV pool is allocated or a request admitted
-    except BaseException:
-        if streamer is not None:
-            streamer.end()
-        raise
 
-    device = model.device
-    greedy = not generation_config.do_sample
-    generator, draft_generator = call_generators(call_seed(model, config), device)
+        device = model.device
+        greedy = not generation_config.do_sample
+        generator, draft_generator = call_generators(call_seed(model, config), device)
+        custom_criteria = StoppingCriteriaList(
+            c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))
+        )
+        output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+        requests = _requests(input_ids, prompts, max_new, config)
+        # Criteria and streamer are fed whole-batch steps as dense generate feeds them (EOS and max length: the
+        # engine).
+        stopping = BatchStopping(
+            custom_criteria, requests, input_ids, _pad_token_id(generation_config), streamer=streamer,
+            scores=output_scores,
+        )
+    try:
+        if max_new <= 0:
+            return _assemble(input_ids, requests, generation_config, S3RStats(), config)
+        sampling = SamplingSetup(
+            logits_processor=RaggedLogitsProcessor(logits_processor, batch_size=input_ids.shape[0]),
+            greedy=greedy,
+            eos_token_ids=eos_ids,
+            stopping_criteria=stopping,
+            generator=generator,
+            draft_generator=draft_generator,
+            output_scores=output_scores,
+            output_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
+        )
+        # The model's kept runtime is this call's until it returns: another thread's call waits
+        # (`model_session.hold`).
+        with hold(model), on_device(device):
+            if s3r_draft_policy is None:
+                s3r_draft_policy = _kept_policy(model, config, s3r_mode)
+            runtime = runtime_for(model) if config.keep_state else ModelRuntime()
+            runtime.check_model(model)
+            cache = _kv_pool(runtime, requests, config, model, device)
+            engine = S3REngine(
+                model, config, sampling, cache, mode=s3r_mode, forced_acceptance=s3r_forced_acceptance,
+                timing=s3r_timing, draft_policy=s3r_draft_policy, runtime=runtime,
+            )
+            try:
+                stats = engine.run(requests)
+            except BaseException:
+                # A call that failed part-way (a stopping criterion raised, memory ran out during a capture) leaves
+                # nothing the next call could trust.
+                runtime.drop_device_state()
+                raise
+    finally:
+        stopping.end()  # also after a refusal or a failure, so that a streamer's consumer does not wait forever
+    return _assemble(input_ids, requests, generation_config, stats, config)
 
-    custom_criteria = StoppingCriteriaList(
-        c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))
-    )
-    output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
 
+def _requests(
+    input_ids: torch.LongTensor, prompts: list[torch.Tensor], max_new: int, config: S3RConfig
+) -> list[Request]:
+    """One request per row, its token buffer sized for the prompt, `max_new` tokens and a last round's drafts."""
+    padded_len = input_ids.shape[1]
     requests = []
     for row, prompt in enumerate(prompts):
         tokens = torch.empty(padded_len + max(max_new, 0) + config.draft_len + 1, dtype=torch.long)
@@ -123,48 +162,7 @@ def generate(
         requests.append(
             Request(row=row, prompt_ids=prompt.cpu(), tokens=tokens, length=padded_len, max_new_tokens=max_new)
         )
-    # Criteria and streamer are fed whole-batch steps as dense generate feeds them (EOS and max length: the engine).
-    stopping = BatchStopping(
-        custom_criteria, requests, input_ids, _pad_token_id(generation_config), streamer=streamer, scores=output_scores
-    )
-    sampling = SamplingSetup(
-        logits_processor=RaggedLogitsProcessor(logits_processor, batch_size=input_ids.shape[0]),
-        greedy=greedy,
-        eos_token_ids=eos_ids,
-        stopping_criteria=stopping,
-        generator=generator,
-        draft_generator=draft_generator,
-        output_scores=output_scores,
-        output_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
-    )
-    if max_new <= 0:
-        stopping.end()
-        return _assemble(input_ids, requests, generation_config, S3RStats(), config)
-
-    # The model's kept runtime is this call's until it returns: another thread's call waits (`model_session.hold`).
-    with hold(model), on_device(device):
-        runtime = runtime_for(model) if config.keep_state else ModelRuntime()
-        try:
-            runtime.check_model(model)
-            cache = _kv_pool(runtime, requests, config, model, device)
-        except BaseException:
-            stopping.end()  # refused (the model's state, no room for the requests): nothing ran
-            raise
-        engine = S3REngine(
-            model, config, sampling, cache, mode=s3r_mode, forced_acceptance=s3r_forced_acceptance, timing=s3r_timing,
-            draft_policy=s3r_draft_policy if s3r_draft_policy is not None else _kept_policy(model, config, s3r_mode),
-            runtime=runtime,
-        )
-        try:
-            stats = engine.run(requests)
-        except BaseException:
-            # A call that failed part-way (a stopping criterion raised, memory ran out during a capture) leaves
-            # nothing the next call could trust.
-            runtime.drop_device_state()
-            raise
-        finally:
-            stopping.end()  # also after a failure, so that a streamer's consumer does not wait forever
-    return _assemble(input_ids, requests, generation_config, stats, config)
+    return requests
 
 
 def _kv_pool(

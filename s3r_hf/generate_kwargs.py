@@ -14,8 +14,10 @@ callable's extra keywords only; `streamer`, `synced_gpus` and `tokenizer` are dr
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,15 +50,30 @@ def check_generate_call(
     synced_gpus: bool,
 ) -> Any:
     """The checks both S3R decoding methods run before anything else (model, generation options, inputs, training
-    mode, logits processors, `synced_gpus`); returns the streamer, the one transformers dropped included."""
-    check_model_supported(model)
-    check_generation_config(generation_config)
+    mode, logits processors, `synced_gpus`); returns the streamer, the one transformers dropped included. A refusal
+    ends that streamer (`streamer_ended_on_error`)."""
     dropped = dropped_generate_arguments()  # transformers 5.x does not pass these to a callable custom_generate
-    check_not_synced(model, synced_gpus or dropped.get("synced_gpus"))
-    check_model_inputs(model_kwargs)
-    check_no_active_dropout(model)
-    check_logits_processors(logits_processor)
-    return streamer if streamer is not None else dropped.get("streamer")
+    streamer = streamer if streamer is not None else dropped.get("streamer")
+    with streamer_ended_on_error(streamer):
+        check_model_supported(model)
+        check_generation_config(generation_config)
+        check_not_synced(model, synced_gpus or dropped.get("synced_gpus"))
+        check_model_inputs(model_kwargs)
+        check_no_active_dropout(model)
+        check_logits_processors(logits_processor)
+    return streamer
+
+
+@contextlib.contextmanager
+def streamer_ended_on_error(streamer: Any) -> Iterator[None]:
+    """End `streamer` if the block raises. transformers has fed it the prompt before S3R runs, so a call that S3R
+    refuses must end it, or a consumer in another thread (`TextIteratorStreamer`) waits forever."""
+    try:
+        yield
+    except BaseException:
+        if streamer is not None:
+            streamer.end()
+        raise
 
 
 def dropped_generate_arguments() -> dict[str, Any]:

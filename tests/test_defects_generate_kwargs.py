@@ -20,17 +20,21 @@ CONFIG = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.1, min_budget=2, 
 
 
 class RecordingStreamer(BaseStreamer):
-    """Keeps every `put` (as a list) and whether `end` was called."""
+    """Keeps every `put` (as a list) and how often `end` was called."""
 
     def __init__(self) -> None:
         self.puts: list[list] = []
-        self.ended = False
+        self.ends = 0
+
+    @property
+    def ended(self) -> bool:
+        return self.ends > 0
 
     def put(self, value):
         self.puts.append(value.tolist())
 
     def end(self):
-        self.ended = True
+        self.ends += 1
 
 
 @pytest.mark.parametrize("route", ["enable", "custom_generate"])
@@ -70,25 +74,47 @@ def test_text_iterator_streamer_consumer_gets_the_text_and_returns():
     assert texts["dense"].strip()
 
 
-@pytest.mark.parametrize("refusal", ["context window", "KV pool", "dropout in training mode"])
+@pytest.mark.parametrize("refusal", ["context window", "KV pool", "dropout in training mode", "engine mode"])
 def test_a_refused_call_ends_its_streamer(refusal):
     """transformers feeds the prompt to the streamer before S3R runs: a call S3R refuses (a model in training mode with
     dropout, among the first checks; new tokens past the context window, before the requests are built; a KV pool
-    too small for them, once they are) still ends
-    the streamer, so that a consumer in another thread returns instead of waiting forever."""
+    too small for them, once they are; an engine mode it does not know, when the engine is built) still ends the
+    streamer, once, so that a consumer in another thread returns instead of waiting forever."""
     model = s3r_hf.enable(word_model(seed=62, attention_dropout=0.1))  # a context window of 128 positions
     model.train(refusal == "dropout in training mode")
     input_ids, _ = left_padded_batch([12], seed=3)
-    if refusal == "dropout in training mode":
-        max_new, config, error = 20, CONFIG, ValueError
-    elif refusal == "context window":
-        max_new, config, error = 130, CONFIG, ValueError
-    else:
-        max_new, config, error = 20, S3RConfig(page_size=4, num_pages=2), KVCapacityError
+    max_new, config, error, extra = 20, CONFIG, ValueError, {}
+    if refusal == "context window":
+        max_new = 130
+    elif refusal == "KV pool":
+        config, error = S3RConfig(page_size=4, num_pages=2), KVCapacityError
+    elif refusal == "engine mode":
+        extra = {"s3r_mode": "no such mode"}
     streamer = RecordingStreamer()
     with pytest.raises(error):
-        model.generate(input_ids, do_sample=False, max_new_tokens=max_new, streamer=streamer, s3r_config=config)
-    assert streamer.ended
+        model.generate(
+            input_ids, do_sample=False, max_new_tokens=max_new, streamer=streamer, s3r_config=config, **extra
+        )
+    assert streamer.ends == 1
+
+
+@pytest.mark.parametrize("refusal", ["two rows", "padded prompt", "dropout in training mode"])
+def test_a_refused_assisted_call_ends_its_streamer(refusal):
+    """The same for `assisted_generate`, whose own refusals (batch size, padding) come after the first checks."""
+    model = word_model(seed=62, attention_dropout=0.1)
+    model.train(refusal == "dropout in training mode")
+    input_ids, attention_mask = left_padded_batch([12, 9] if refusal == "padded prompt" else [12, 12], seed=3)
+    if refusal != "two rows":
+        input_ids, attention_mask = input_ids[-1:], attention_mask[-1:]
+    if refusal == "padded prompt":
+        assert not attention_mask.all()
+    streamer = RecordingStreamer()
+    with pytest.raises(ValueError):
+        model.generate(
+            input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=8, streamer=streamer,
+            custom_generate=s3r_hf.assisted_generate, s3r_config=CONFIG,
+        )
+    assert streamer.ends == 1
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
