@@ -19,7 +19,12 @@ from s3r_hf.config import S3RConfig
 from s3r_hf.draft_policy import DraftLengthPolicy
 from s3r_hf.engine import S3REngine, SamplingSetup
 from s3r_hf.fused_layers import check_fusable
-from s3r_hf.generate_kwargs import check_generate_call, stop_strings_as_criterion, streamer_ended_on_error
+from s3r_hf.generate_kwargs import (
+    arguments_by_name,
+    check_generate_call,
+    stop_strings_as_criterion,
+    streamer_ended_on_error,
+)
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.model_session import hold, on_device
 from s3r_hf.request import Request
@@ -294,12 +299,13 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
         original_generate = self._s3r_original_generate
         if s3r_config is None:
             return original_generate(*args, **kwargs)
+        kwargs = arguments_by_name(original_generate, args, kwargs)
         if kwargs.get("custom_generate") is not None:
             raise ValueError("pass either s3r_config or custom_generate to generate, not both")
         if kwargs.get("assistant_model") is not None:
             raise ValueError("S3R drafts with the model itself; assistant_model cannot be combined with s3r_config")
         kwargs = stop_strings_as_criterion(self, kwargs)  # transformers would drop the tokenizer they need
-        return original_generate(*args, custom_generate=generate, s3r_config=s3r_config, **kwargs)
+        return original_generate(custom_generate=generate, s3r_config=s3r_config, **kwargs)
 
     model._s3r_original_generate = model.generate
     model.generate = types.MethodType(generate_with_s3r, model)

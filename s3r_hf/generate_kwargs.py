@@ -15,6 +15,7 @@ callable's extra keywords only; `streamer`, `synced_gpus` and `tokenizer` are dr
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import sys
 from collections.abc import Iterator
@@ -109,6 +110,23 @@ def _world_size() -> int:
     return distributed.get_world_size() if distributed.is_available() and distributed.is_initialized() else 1
 
 
+def arguments_by_name(generate: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a call `generate(*args, **kwargs)` (transformers' bound `generate`) as keywords, so that one
+    passed by position (`model.generate(input_ids, generation_config)`) is seen where it is looked up by name."""
+    positional = [
+        parameter.name
+        for parameter in inspect.signature(generate).parameters.values()
+        if parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(args) > len(positional):
+        raise TypeError(f"generate takes at most {len(positional)} positional arguments, got {len(args)}")
+    named = dict(zip(positional, args))
+    twice = sorted(named.keys() & kwargs.keys())
+    if twice:
+        raise TypeError(f"generate got multiple values for argument {twice[0]!r}")
+    return {**named, **kwargs}
+
+
 def stop_strings_as_criterion(model: PreTrainedModel, kwargs: dict[str, Any]) -> dict[str, Any]:
     """For `enable`'s `generate`: turn `stop_strings` (from the call, its `generation_config` or the model's) and
     `tokenizer` into a `StopStringCriteria` in `stopping_criteria`, which does reach S3R. Returns the new kwargs;
@@ -116,8 +134,9 @@ def stop_strings_as_criterion(model: PreTrainedModel, kwargs: dict[str, Any]) ->
     tokenizer = kwargs.get("tokenizer")
     if tokenizer is None:
         return kwargs
-    stop_strings = kwargs.get("stop_strings")
-    if stop_strings is None:
+    if "stop_strings" in kwargs:  # outranks both configs, also as an explicit None (as in transformers' generate)
+        stop_strings = kwargs["stop_strings"]
+    else:
         for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
             stop_strings = getattr(config, "stop_strings", None)
             if stop_strings is not None:
@@ -127,4 +146,13 @@ def stop_strings_as_criterion(model: PreTrainedModel, kwargs: dict[str, Any]) ->
     criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
     criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
     # `stop_strings=None` outranks the generation configs, so transformers does not build (and fail on) its own.
-    return {**kwargs, "stopping_criteria": criteria, "stop_strings": None}
+    overrides = {"stop_strings": None}
+    config = kwargs.get("generation_config")
+    model_stop_strings = getattr(getattr(model, "generation_config", None), "stop_strings", None)
+    if config is not None and "stop_strings" not in kwargs and model_stop_strings is None:
+        # The same inside the caller's config, where transformers does not warn of generation arguments passed beside
+        # it (it would fill a None back from the model's config, hence only when that has none).
+        config = copy.deepcopy(config)
+        config.stop_strings = None
+        overrides = {"generation_config": config}
+    return {**kwargs, "stopping_criteria": criteria, **overrides}

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, TextIteratorStreamer
+from transformers import GenerationConfig, PreTrainedTokenizerFast, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
 import s3r_hf
@@ -140,6 +140,46 @@ def test_stop_strings_with_tokenizer_stop_where_dense_stops():
     out = model.generate(batch.input_ids, s3r_config=CONFIG, **kwargs)
     assert torch.equal(out, dense)
     assert dense.shape[1] < batch.input_ids.shape[1] + 30, "the stop string was meant to end generation early"
+
+
+@pytest.mark.parametrize("where", ["explicit None over the model's", "in a positional generation_config"])
+def test_stop_strings_are_resolved_as_transformers_resolves_them(where, caplog):
+    """An explicit `stop_strings=None` outranks the model's generation config (dense then does not stop on them), and
+    a `generation_config` passed by position is read for its stop strings as one passed by name."""
+    tokenizer = char_tokenizer()
+    model = s3r_hf.enable(tiny_model("llama", seed=63, vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=1))
+    batch = tokenizer(["how many eggs?", "the books cost 5 dollars."], return_tensors="pt", padding=True,
+                      padding_side="left")
+    kwargs = dict(attention_mask=batch.attention_mask, tokenizer=tokenizer)
+    free = model.generate(batch.input_ids, do_sample=False, max_new_tokens=30, **kwargs)[:, batch.input_ids.shape[1]:]
+    stop_string = tokenizer.decode(free[1, 7:9])
+    config = GenerationConfig(do_sample=False, max_new_tokens=30, stop_strings=[stop_string], eos_token_id=1,
+                              pad_token_id=0)
+    if where == "explicit None over the model's":
+        model.generation_config.stop_strings = [stop_string]
+        args, kwargs = (batch.input_ids,), dict(kwargs, do_sample=False, max_new_tokens=30, stop_strings=None)
+    else:
+        args = (batch.input_ids, config)
+    dense = model.generate(*args, **kwargs)
+    caplog.clear()
+    out = model.generate(*args, s3r_config=CONFIG, **kwargs)
+    assert torch.equal(out, dense)
+    if where == "in a positional generation_config":  # nothing passed beside the config, so no warning of it
+        assert not [r for r in caplog.records if "deprecated" in r.getMessage()]
+    stopped_early = dense.shape[1] < batch.input_ids.shape[1] + 30
+    assert stopped_early == (where != "explicit None over the model's")
+
+
+def test_generate_arguments_by_position_reach_s3r_as_by_name():
+    """`enable`'s `generate` takes transformers' positional arguments; one given twice is refused as Python would."""
+    model = s3r_hf.enable(tiny_model("llama", seed=64))
+    input_ids, attention_mask = left_padded_batch([5, 8], seed=66)
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, pad_token_id=0)
+    by_name = model.generate(input_ids, attention_mask=attention_mask, generation_config=config, s3r_config=CONFIG)
+    by_position = model.generate(input_ids, config, attention_mask=attention_mask, s3r_config=CONFIG)
+    assert torch.equal(by_position, by_name)
+    with pytest.raises(TypeError, match="multiple values for argument 'generation_config'"):
+        model.generate(input_ids, config, generation_config=config, s3r_config=CONFIG)
 
 
 def test_stop_strings_through_custom_generate_are_refused_by_transformers():
