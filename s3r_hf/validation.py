@@ -138,12 +138,21 @@ def check_attention_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor) 
 
 
 def check_model_inputs(model_kwargs: dict) -> None:
-    """S3R generates from token ids only."""
+    """S3R generates from token ids only, and prefills all of them itself in its own paged cache."""
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError(
             "S3R does not support inputs_embeds: it generates from input_ids only (pass token ids, or generate "
             "without s3r_config)"
         )
+    for name in ("cache", "past_key_values"):  # transformers passes an empty one of its own
+        cache = model_kwargs.get(name)
+        length = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        if length > 0:
+            raise ValueError(
+                f"S3R does not continue from a filled cache: the {name} passed to generate holds {length} positions, "
+                "and S3R prefills input_ids in its own paged KV cache, so it would ignore them; pass the whole "
+                "sequence as input_ids without the cache, or generate without s3r_config"
+            )
 
 
 def check_no_active_dropout(model: PreTrainedModel) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
@@ -152,6 +152,29 @@ def test_inputs_embeds_are_refused_by_name():
     embeds = model.get_input_embeddings()(input_ids)
     with pytest.raises(ValueError, match="inputs_embeds"):
         model.generate(inputs_embeds=embeds, attention_mask=attention_mask, max_new_tokens=5, s3r_config=CONFIG)
+
+
+@pytest.mark.parametrize("route", ["enable", "assisted_generate"])
+def test_a_filled_cache_is_refused_and_an_empty_one_is_not(route):
+    """S3R prefills input_ids in its own cache: a `past_key_values` that already holds positions would be ignored
+    (dense generate continues from it), so it is refused by name; an empty one changes nothing and is accepted."""
+    model = tiny_model("llama", seed=85)
+    input_ids, attention_mask = left_padded_batch([6, 11], seed=86)
+    kwargs = dict(max_new_tokens=4, do_sample=False, s3r_config=CONFIG)
+    if route == "enable":
+        s3r_hf.enable(model)
+    else:
+        input_ids, attention_mask = input_ids[1:], attention_mask[1:]
+        kwargs["custom_generate"] = s3r_hf.assisted_generate
+    empty = DynamicCache(config=model.config)
+    if route == "enable":
+        dense = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False)
+        out = model.generate(input_ids, attention_mask=attention_mask, past_key_values=empty, **kwargs)
+        assert torch.equal(out, dense)
+    filled = DynamicCache(config=model.config)
+    model(input_ids[:, :-1], attention_mask=attention_mask[:, :-1], past_key_values=filled)
+    with pytest.raises(ValueError, match=rf"passed to generate holds {input_ids.shape[1] - 1} positions"):
+        model.generate(input_ids, attention_mask=attention_mask, past_key_values=filled, **kwargs)
 
 
 @pytest.mark.parametrize("option", ["output_hidden_states", "output_attentions"])
