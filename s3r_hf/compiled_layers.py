@@ -47,6 +47,21 @@ def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
     return layers
 
 
+def check_no_hooks_in_layers(model: PreTrainedModel, option: str) -> None:
+    """Refuse forward hooks on the modules inside decoder layers, which `option` (compiled or fused layers) does not
+    run as modules: fused projections replace the Q/K/V and gate/up linears, fused layers call none of their parts,
+    and a compiled layer traced before a hook was added keeps running without it. Hooks on a layer itself (FSDP2
+    registers its own there) run around the replaced forward and are kept."""
+    names = {module: name for name, module in model.named_modules()}
+    for layer in decoder_layers(model):
+        for module in layer.modules():
+            if module is not layer and (module._forward_pre_hooks or module._forward_hooks):
+                raise ValueError(
+                    f"S3RConfig({option}=True) does not run forward hooks inside decoder layers, and module "
+                    f"{names[module]!r} has one; remove it, or generate with {option}=False"
+                )
+
+
 def fused_projections_for(model: PreTrainedModel) -> FusedProjections:
     """The fused Q/K/V and gate/up projections of the model's decoder layers, active in the thread holding the model
     for S3R. They refer to the model weakly, so a runtime kept for the model does not keep the model alive."""

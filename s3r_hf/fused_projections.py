@@ -112,6 +112,9 @@ class FusedProjections:
     def installed(self) -> Iterator[None]:
         """Within the block, each group's linears are replaced by slices of one GEMM over freshly copied weights
         (used where `active()`, see `FusedLinearSlice`); the original linears are put back afterwards."""
+        for parent, name, linear, _ in self.swaps:
+            if getattr(parent, name) is not linear:  # `runtime_state` rebuilds these when the model's modules change
+                raise RuntimeError(f"fused projections built for a {name} module the model no longer holds")
         self.refresh()
         try:
             for parent, name, _, fused in self.swaps:

@@ -15,6 +15,7 @@ from transformers.utils import logging
 
 from s3r_hf.cache.page_allocator import KVCapacityError
 from s3r_hf.cache.s3r_cache import S3RCache, page_bytes
+from s3r_hf.compiled_layers import check_no_hooks_in_layers
 from s3r_hf.config import S3RConfig
 from s3r_hf.draft_policy import DraftLengthPolicy
 from s3r_hf.engine import S3REngine, SamplingSetup
@@ -101,6 +102,9 @@ def generate(
         eos_ids, max_length = _native_stops(stopping_criteria, generation_config)
         max_new = max_length - padded_len
         check_context_window(model, prompts, max_new)
+        for option in ("compile_layers", "fused_layers"):
+            if getattr(config, option):
+                check_no_hooks_in_layers(model, option)
         if config.fused_layers:
             check_fusable(model)  # before a KV pool is allocated or a request admitted
 

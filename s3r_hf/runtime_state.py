@@ -83,10 +83,11 @@ class ModelRuntime:
     # ---------------------------------------------------------------- the model
     def check_model(self, model: PreTrainedModel) -> None:
         """Drop the device state if any parameter or buffer of `model` moved or changed shape or dtype since the
-        state was built (captured graphs would read stale addresses)."""
+        state was built (captured graphs would read stale addresses), or a module or forward hook was swapped in,
+        added or removed (`_fingerprint`)."""
         fingerprint = _fingerprint(model)
         if self._fingerprint is not None and fingerprint != self._fingerprint and self.cache is not None:
-            logger.info("the model's weights moved or changed shape or dtype: S3R rebuilds its kept state")
+            logger.info("the model's weights, modules or hooks changed: S3R rebuilds its kept state")
             self.drop_device_state()
         self._fingerprint = fingerprint
 
@@ -231,11 +232,19 @@ def process_rank() -> int:
 
 
 def _fingerprint(model: torch.nn.Module) -> tuple:
-    return tuple(
+    """Where the model's tensors live, and which modules and forward hooks it runs: a module swapped in (a wrapper
+    around the same parameters) or a hook added or removed since the kept state was built would otherwise meet fused
+    projections that put the old module back, and graphs that replay the old code."""
+    tensors = tuple(
         (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tensor.device)
         for tensors in (model.parameters(), model.buffers())
         for tensor in tensors
     )
+    modules = tuple(
+        (name, id(module), tuple(module._forward_pre_hooks), tuple(module._forward_hooks))
+        for name, module in model.named_modules()
+    )
+    return tensors, modules
 
 
 _lock = threading.Lock()

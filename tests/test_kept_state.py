@@ -110,6 +110,72 @@ def test_weights_that_move_rebuild_the_kept_state():
     s3r_hf.release(model)
 
 
+class _Scaled(torch.nn.Module):
+    """A parameter-free wrapper around a linear (as an adapter library might add): the parameters stay the same."""
+
+    def __init__(self, linear: torch.nn.Module, factor: float) -> None:
+        super().__init__()
+        self.linear, self.factor = linear, factor
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden_states) * self.factor
+
+
+@pytest.mark.parametrize("compile_layers", [False, True])
+def test_a_module_swapped_in_between_calls_rebuilds_the_kept_state(compile_layers):
+    """Kept fused projections swap the Q/K/V linears they were built for: a wrapper swapped in around the same
+    parameters used to be replaced by the old linear during the call and after it (wrong output, model changed)."""
+    model = s3r_hf.enable(tiny_model("llama", seed=51).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=52)
+    config = _config(compile_layers=compile_layers)
+    if compile_layers:
+        torch._dynamo.reset()
+    _greedy(model, input_ids, attention_mask, config)
+    pool = runtime_for(model).cache
+    attention = model.model.layers[0].self_attn
+    attention.q_proj = wrapper = _Scaled(attention.q_proj, 3.0)
+    dense = _greedy(model, input_ids, attention_mask)
+    out = _greedy(model, input_ids, attention_mask, config)
+    assert runtime_for(model).cache is not pool
+    assert attention.q_proj is wrapper
+    assert torch.equal(out, dense)
+    s3r_hf.release(model)
+
+
+def test_a_hook_added_between_calls_rebuilds_the_kept_state():
+    """CUDA graphs replay the kernels of the forward they captured: a hook added (or removed) since runs only if
+    the kept graphs are dropped."""
+    model = s3r_hf.enable(tiny_model("llama", seed=53).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=54)
+    _greedy(model, input_ids, attention_mask, _config())
+    pool = runtime_for(model).cache
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda module, args, output: output * 2.0)
+    dense = _greedy(model, input_ids, attention_mask)
+    out = _greedy(model, input_ids, attention_mask, _config())
+    assert runtime_for(model).cache is not pool
+    assert torch.equal(out, dense)
+    handle.remove()
+    assert torch.equal(_greedy(model, input_ids, attention_mask, _config()), _greedy(model, input_ids, attention_mask))
+    s3r_hf.release(model)
+
+
+@pytest.mark.parametrize("option", ["compile_layers", "fused_layers"])
+def test_hooks_inside_decoder_layers_are_refused_with_compiled_or_fused_layers(option):
+    """Compiled layers replace the Q/K/V and gate/up linears by fused slices and fused layers call none of a layer's
+    modules, so a hook on them would silently not run: refused by name. A hook on the layer itself still runs."""
+    model = s3r_hf.enable(tiny_model("llama", seed=55).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=56)
+    handle = model.model.layers[1].self_attn.k_proj.register_forward_pre_hook(lambda module, args: None)
+    with pytest.raises(ValueError, match=rf"{option}=True.*'model.layers.1.self_attn.k_proj'"):
+        _greedy(model, input_ids, attention_mask, _config(**{option: True}))
+    handle.remove()
+    calls = []
+    model.model.layers[1].register_forward_hook(lambda module, args, output: calls.append(1))
+    _greedy(model, input_ids, attention_mask, _config(keep_state=False))
+    assert calls, "a hook on a decoder layer runs in engine forwards"
+    s3r_hf.release(model)
+
+
 def test_release_and_kept_state_free_the_pool():
     model = s3r_hf.enable(tiny_model("qwen3", seed=47).to(DEVICE))
     input_ids, attention_mask = _batch(seed=48)
