@@ -28,6 +28,7 @@ from transformers.generation.utils import GenerationMixin
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
 
+from s3r_hf.model_session import check_not_nested
 from s3r_hf.sharding import is_gathered
 from s3r_hf.validation import (
     check_generation_config,
@@ -50,12 +51,13 @@ def check_generate_call(
     streamer: Any,
     synced_gpus: bool,
 ) -> Any:
-    """The checks both S3R decoding methods run before anything else (model, generation options, inputs, training
-    mode, logits processors, `synced_gpus`); returns the streamer, the one transformers dropped included. A refusal
-    ends that streamer (`streamer_ended_on_error`)."""
+    """The checks both S3R decoding methods run before anything else (not nested in another S3R call on the model,
+    model, generation options, inputs, training mode, logits processors, `synced_gpus`); returns the streamer, the
+    one transformers dropped included. A refusal ends that streamer (`streamer_ended_on_error`)."""
     dropped = dropped_generate_arguments()  # transformers 5.x does not pass these to a callable custom_generate
     streamer = streamer if streamer is not None else dropped.get("streamer")
     with streamer_ended_on_error(streamer):
+        check_not_nested(model)
         check_model_supported(model)
         check_generation_config(generation_config)
         check_not_synced(model, synced_gpus or dropped.get("synced_gpus"))

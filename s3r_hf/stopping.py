@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import StoppingCriteriaList
 
+from s3r_hf.model_session import outside_call
 from s3r_hf.request import Request, RequestStatus
 
 
@@ -99,9 +100,11 @@ class BatchStopping:
             if self.scores is not None:
                 self.scores += (self._step_scores(step, live),)
             # A copy, as dense hands each step a new tensor: a criterion may keep it.
-            stops = self.criteria(self.input_ids[:, : column + 1].clone(), self.scores).tolist()
+            with outside_call():
+                stops = self.criteria(self.input_ids[:, : column + 1].clone(), self.scores).tolist()
         if self.streamer is not None:
-            self.streamer.put(torch.tensor(tokens))
+            with outside_call():
+                self.streamer.put(torch.tensor(tokens))
         for request, has, stop in zip(self.requests, live, stops):
             if has and stop and request.row not in self.stopped_at:
                 self._stop(request, step)

@@ -118,3 +118,58 @@ def test_dense_forwards_in_another_thread_during_an_s3r_call_are_dense(compile_l
     assert call.error is None, call.error
     assert torch.equal(call.result, dense)
     _assert_unchanged(model, kwargs, reference)
+
+
+class CallsInside(StoppingCriteria):
+    """Runs `action()` on its first call (inside the S3R call, between rounds) and keeps what it returned or raised;
+    never stops a row."""
+
+    def __init__(self, action) -> None:
+        self.action, self.result, self.error, self.called = action, None, None, False
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if not self.called:
+            self.called = True
+            try:
+                self.result = self.action()
+            except Exception as error:  # reported by the test
+                self.error = error
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@pytest.mark.parametrize("compile_layers", [False, True])
+def test_a_stopping_criterion_s_forwards_and_dense_generate_on_the_model_are_dense(compile_layers):
+    """A callback of the S3R call, in the same thread, sees the model as its own code runs it: a padded forward and a
+    dense `generate` give the model's own results (they used to run under S3R's attention override)."""
+    model, kwargs, reference, dense = _setup(seed=48 if compile_layers else 50)
+    config = S3RConfig(**{**CONFIG.to_dict(), "compile_layers": compile_layers})
+    if compile_layers:
+        torch._dynamo.reset()
+
+    def inside():
+        assert not owns(model)
+        _assert_unchanged(model, kwargs, reference)
+        return model.generate(**kwargs)
+
+    criterion = CallsInside(inside)
+    out = model.generate(s3r_config=config, stopping_criteria=StoppingCriteriaList([criterion]), **kwargs)
+    assert criterion.called and criterion.error is None, criterion.error
+    assert torch.equal(criterion.result, dense)
+    assert torch.equal(out, dense)
+    _assert_unchanged(model, kwargs, reference)
+
+
+def test_an_s3r_call_nested_in_a_callback_of_one_on_the_same_model_is_refused():
+    """An S3R call from a stopping criterion of an S3R call on the same model would reset the kept pool under the
+    outer call (a KeyError, once): refused by name. On another model it runs."""
+    model, kwargs, _, dense = _setup(seed=52)
+    other = s3r_hf.enable(tiny_model("llama", seed=53))
+    criterion = CallsInside(lambda: model.generate(s3r_config=CONFIG, **kwargs))
+    out = model.generate(s3r_config=CONFIG, stopping_criteria=StoppingCriteriaList([criterion]), **kwargs)
+    assert isinstance(criterion.error, RuntimeError) and "cannot nest" in str(criterion.error)
+    assert torch.equal(out, dense)  # the refused inner call left the outer one intact
+    criterion = CallsInside(lambda: other.generate(s3r_config=CONFIG, **kwargs))
+    out = model.generate(s3r_config=CONFIG, stopping_criteria=StoppingCriteriaList([criterion]), **kwargs)
+    assert criterion.error is None, criterion.error
+    assert torch.equal(criterion.result, other.generate(**kwargs))
+    assert torch.equal(out, dense)
