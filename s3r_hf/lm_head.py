@@ -5,7 +5,8 @@ LM head of 2 requests costs what one of 16 does (docs/benchmarks.md, "a float32 
 forwards a bias-free float32 `nn.Linear` head runs `layer_triton.lm_head` instead: three TF32 tensor-core products
 per product (float32's accuracy), one TF32 product in a draft pass that allows TF32 (`draft_matmul_precision`).
 Every engine forward takes it, whichever way its layers run (eager, compiled, fused); other dtypes keep cuBLAS, which
-is at its floor there.
+is at its floor there, and so does a float32 head fed half-precision hidden states (TRL's `cast_lm_head_to_fp32`
+gives it a forward that casts them up).
 
 The head reads the model's own weight at every forward (tied embeddings included), and acts only in the thread
 holding the model for S3R (`model_session.owns`): a dense `generate` or the training step runs the head's own
@@ -56,6 +57,9 @@ def _dispatch(model: PreTrainedModel, head: torch.nn.Linear, ops: ModuleType, ow
         if (
             hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] > MAX_ROWS
             or not owns(model) or autocast_changes(head.weight.dtype, hidden_states.device)
+            # A float32 head over a lower-precision model runs through a forward of its own that casts (TRL's
+            # `cast_lm_head_to_fp32`): its float32 logits are what the model samples from.
+            or hidden_states.dtype != head.weight.dtype
         ):
             return own(hidden_states)
         return ops.lm_head(hidden_states[0], head.weight)[None]

@@ -90,3 +90,21 @@ def test_under_autocast_to_another_dtype_the_head_runs_its_own_forward(head_rows
         model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                        s3r_config=S3RConfig(min_budget=4, adaptive=False, draft_len=3))
     assert not head_rows
+
+
+def test_a_float32_head_over_a_half_precision_model_runs_its_own_casting_forward(head_rows):
+    """TRL's `cast_lm_head_to_fp32` makes the head float32 and gives it a forward that casts the half-precision
+    hidden states up: the logits S3R samples from are that forward's float32 ones (they used to be the kernel's,
+    computed on the half-precision input and rounded to it)."""
+    model = tiny_model("llama", seed=5).to(torch.float16 if DEVICE.type == "cuda" else torch.bfloat16).to(DEVICE)
+    head = model.lm_head = model.lm_head.float()
+    head.forward = lambda hidden: torch.nn.functional.linear(hidden.to(torch.float32), head.weight)  # as TRL does
+    s3r_hf.enable(model)
+    ids, mask = _batch()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, s3r_config=S3RConfig(min_budget=4, adaptive=False, draft_len=3))
+    logits = torch.stack(out.logits)
+    assert logits.dtype == torch.float32
+    rounded = (logits == logits.to(model.model.embed_tokens.weight.dtype).float()).float().mean()
+    assert rounded < 0.05, "the logits are the half-precision input's, not the head's float32 forward's"
+    assert not head_rows
