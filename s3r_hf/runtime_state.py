@@ -241,10 +241,17 @@ def _fingerprint(model: torch.nn.Module) -> tuple:
         for tensor in tensors
     )
     modules = tuple(
-        (name, id(module), tuple(module._forward_pre_hooks), tuple(module._forward_hooks))
+        (name, id(module), _hook_kinds(module._forward_pre_hooks), _hook_kinds(module._forward_hooks))
         for name, module in model.named_modules()
     )
     return tensors, modules
+
+
+def _hook_kinds(hooks: dict) -> frozenset:
+    """The distinct functions among a module's hooks. Not their handles or count: TRL turns gradient checkpointing on
+    around every rollout, and transformers then registers its `make_inputs_require_grads` hook on the embeddings again
+    without removing the last one, so those change at every step while what the forward computes does not."""
+    return frozenset(getattr(hook, "__code__", None) or type(hook) for hook in hooks.values())
 
 
 _lock = threading.Lock()
