@@ -100,7 +100,7 @@ def generate(
         prompts = prompt_rows(input_ids, attention_mask)
         padded_len = input_ids.shape[1]
         eos_ids, max_length = _native_stops(stopping_criteria, generation_config)
-        max_new = max_length - padded_len
+        max_new = max(max_length - padded_len, 1)  # dense generates one token before it asks a criterion to stop
         check_context_window(model, prompts, max_new)
         for option in ("compile_layers", "fused_layers"):
             if getattr(config, option):
@@ -123,8 +123,6 @@ def generate(
             scores=output_scores,
         )
     try:
-        if max_new <= 0:
-            return _assemble(input_ids, requests, generation_config, S3RStats(), config)
         sampling = SamplingSetup(
             logits_processor=RaggedLogitsProcessor(logits_processor, batch_size=input_ids.shape[0]),
             greedy=greedy,
@@ -166,7 +164,7 @@ def _requests(
     padded_len = input_ids.shape[1]
     requests = []
     for row, prompt in enumerate(prompts):
-        tokens = torch.empty(padded_len + max(max_new, 0) + config.draft_len + 1, dtype=torch.long)
+        tokens = torch.empty(padded_len + max_new + config.draft_len + 1, dtype=torch.long)
         tokens[:padded_len] = input_ids[row].cpu()
         requests.append(
             Request(row=row, prompt_ids=prompt.cpu(), tokens=tokens, length=padded_len, max_new_tokens=max_new)

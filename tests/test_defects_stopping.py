@@ -104,7 +104,7 @@ def test_criteria_stop_rows_exactly_under_kv_pressure(monkeypatch):
     assert any(committed > step for _, step, _, committed in stopped), "a row was meant to run ahead of its stop"
 
 
-@pytest.mark.parametrize("own", ["eos", "max_length", "both"])
+@pytest.mark.parametrize("own", ["eos", "max_length", "both", "max_length within the prompt"])
 def test_a_callers_eos_or_max_length_criterion_replaces_the_configs_as_in_dense(own):
     """transformers builds an `EosTokenCriteria` and a `MaxLengthCriteria` from the generation config, and one of the
     same type passed in `stopping_criteria` replaces its own: S3R stops rows where those say, not the config."""
@@ -118,6 +118,8 @@ def test_a_callers_eos_or_max_length_criterion_replaces_the_configs_as_in_dense(
         criteria.append(EosTokenCriteria(eos_token_id=int(free[0, 6])))  # row 0's seventh token
     if own in ("max_length", "both"):
         criteria.append(MaxLengthCriteria(max_length=input_ids.shape[1] + 12))
+    if own == "max_length within the prompt":  # dense generates one token before it asks any criterion
+        criteria.append(MaxLengthCriteria(max_length=input_ids.shape[1] - 3))
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=30,
                   stopping_criteria=StoppingCriteriaList(criteria))
     dense = model.generate(input_ids, **kwargs)
