@@ -29,7 +29,9 @@ def count_reward(completions, **kwargs) -> list[float]:
     return [float(sum(word.isdigit() for word in text.split())) for text in completions]
 
 
-def make_trainer(tmp_path, seed: int = 0, s3r_options: dict | None = None, **overrides) -> S3RGRPOTrainer:
+def make_trainer(
+    tmp_path, seed: int = 0, s3r_options: dict | None = None, rollout_func=None, **overrides
+) -> S3RGRPOTrainer:
     tokenizer = tiny_tokenizer()
     tokenizer.pad_token = "<eos>"
     overrides.setdefault("max_steps", 2)
@@ -45,6 +47,7 @@ def make_trainer(tmp_path, seed: int = 0, s3r_options: dict | None = None, **ove
     return S3RGRPOTrainer(
         model=tiny_policy(seed), reward_funcs=count_reward, args=args,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}), processing_class=tokenizer,
+        rollout_func=rollout_func,
     )
 
 
@@ -144,6 +147,13 @@ def test_config_errors_name_the_problem(tmp_path):
         S3RGRPOConfig(output_dir=str(tmp_path), s3r_config="{draft_len: 3", use_cpu=True)
     with pytest.raises(ValueError, match="s3r_rollout_mode must be one of"):
         S3RGRPOConfig(output_dir=str(tmp_path), s3r_rollout_mode="fast", use_cpu=True)
+
+
+def test_a_rollout_func_is_refused_with_s3r_and_runs_without(tmp_path):
+    """TRL calls a `rollout_func` in place of its own generation, which S3R routes: S3R would silently not run."""
+    with pytest.raises(ValueError, match="rollout_func replaces TRL's generation"):
+        make_trainer(tmp_path / "s3r", rollout_func=lambda prompts, trainer: None)
+    assert make_trainer(tmp_path / "trl", use_s3r=False, rollout_func=lambda prompts, trainer: None).s3r_config is None
 
 
 def test_accelerate_launch_two_cpu_processes():

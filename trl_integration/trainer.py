@@ -93,6 +93,11 @@ class S3RGRPOTrainer(GRPOTrainer):
         resolve = getattr(self.args, "resolved_s3r_config", None)
         self.s3r_config = resolve() if resolve is not None and self.args.use_s3r else None
         if self.s3r_config is not None:
+            if getattr(self, "rollout_func", None) is not None:  # TRL calls it in place of its generation
+                raise ValueError(
+                    "rollout_func replaces TRL's generation, so S3R rollouts would never run; set use_s3r=False in "
+                    "S3RGRPOConfig, or generate with model.generate(..., s3r_config=...) inside the rollout_func"
+                )
             check_sharding_supported(self)
             check_model_supported(self.accelerator.unwrap_model(self.model))
 
