@@ -42,6 +42,7 @@ from s3r_hf.config import S3RConfig
 from s3r_hf.cuda_graphs import DecodeGraphs
 from s3r_hf.draft_policy import AdaptiveDraftLength, adaptive_for
 from s3r_hf.fused_projections import FusedProjections
+from s3r_hf.matmul_precision import tf32_matmuls
 from s3r_hf.model_forward import ModelForward
 
 if TYPE_CHECKING:  # the engine package imports this module
@@ -217,10 +218,17 @@ class ModelRuntime:
 
 
 def _layers_of(config: S3RConfig, device: torch.device) -> tuple:
-    """What a captured graph fixes about the decoder layers it replays: their implementation, and the dtype autocast
-    runs their products in when the call is made under it (a graph replays the kernels of its capture)."""
+    """What a captured graph fixes about the decoder layers it replays: their implementation, the dtype autocast
+    runs their products in when the call is made under it, and the float32 matmul precision and reduced-precision
+    reductions cuBLAS was allowed (a graph replays the kernels of its capture, whatever the user sets later)."""
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-    return config.compile_layers, config.fused_layers, config.draft_matmul_precision, autocast
+    matmul = torch.backends.cuda.matmul
+    cublas = (
+        tf32_matmuls(),
+        matmul.allow_bf16_reduced_precision_reduction,
+        matmul.allow_fp16_reduced_precision_reduction,
+    )
+    return config.compile_layers, config.fused_layers, config.draft_matmul_precision, autocast, cublas
 
 
 def process_rank() -> int:

@@ -287,8 +287,8 @@ def test_a_longer_single_request_does_not_reuse_a_pool_it_cannot_fit():
 
 def test_graphs_are_captured_again_when_the_layers_they_replay_change():
     """A graph records the layers' kernels: a call with other compiled / fused layers, another draft matmul
-    precision or another autocast dtype than the kept graphs were captured with gets new graphs rather than replaying
-    the old layers."""
+    precision, another autocast dtype or another float32 matmul precision than the kept graphs were captured with gets
+    new graphs rather than replaying the old layers."""
     model = tiny_model("qwen3", seed=62)
     runtime = ModelRuntime()
     cache = S3RCache(model.config, num_pages=64, page_size=4, max_requests=4)
@@ -306,6 +306,16 @@ def test_graphs_are_captured_again_when_the_layers_they_replay_change():
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's dtype is part of what a capture records
         graphs = runtime.graphs_for(10, config)
         assert graphs is not kept and runtime.graphs_for(10, config) is graphs
+    kept = runtime.graphs_for(10, config)
+    assert kept is not graphs
+    # So is the float32 matmul precision the user set (TF32 or not: cuBLAS picks other kernels).
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if precision == "highest" else "highest")
+    try:
+        graphs = runtime.graphs_for(10, config)
+        assert graphs is not kept and runtime.graphs_for(10, config) is graphs
+    finally:
+        torch.set_float32_matmul_precision(precision)
     assert runtime.graphs_for(10, config) is not graphs
 
 
