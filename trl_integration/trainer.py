@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -55,8 +56,13 @@ class _RolloutRecorder:
 
         def generate(*args, **kwargs):
             started = time.perf_counter()
-            kwargs.update(custom_generate=s3r_generate, s3r_config=self.config, s3r_mode=self.mode,
-                          return_dict_in_generate=True)
+            kwargs.update(custom_generate=s3r_generate, s3r_config=self.config, s3r_mode=self.mode)
+            config = kwargs.get("generation_config")
+            if config is None:
+                kwargs["return_dict_in_generate"] = True
+            else:  # inside TRL's config, where transformers does not warn of generation arguments passed beside it
+                kwargs["generation_config"] = copy.deepcopy(config)
+                kwargs["generation_config"].return_dict_in_generate = True
             output = original(*args, **kwargs)
             self.seconds += time.perf_counter() - started
             self.stats = output.s3r_stats
