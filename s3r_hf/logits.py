@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
 )
 
 # Processors whose output depends only on the scores, never on the token history: one batched call covers
-# all rows whatever their lengths.
+# all rows whatever their lengths. Matched by exact type: a subclass may read the history.
 _HISTORY_FREE = (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -53,7 +53,7 @@ class RaggedLogitsProcessor:
     def __init__(self, processors: LogitsProcessorList | None, batch_size: int) -> None:
         self.processors = processors if processors is not None else LogitsProcessorList()
         self.batch_size = batch_size
-        self.history_free = all(isinstance(p, _HISTORY_FREE) for p in self.processors)
+        self.history_free = all(type(p) in _HISTORY_FREE for p in self.processors)
 
     @property
     def signature(self) -> tuple | None:

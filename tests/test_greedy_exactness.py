@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper
 
 import s3r_hf
 from s3r_hf import KVCapacityError, S3RConfig
@@ -106,6 +106,24 @@ def test_num_return_sequences_and_history_dependent_processors():
     dense = model.generate(input_ids, **kwargs)
     out = model.generate(input_ids, s3r_config=SMALL_BUDGET, **kwargs)
     assert out.shape[0] == 4
+    assert torch.equal(out, dense)
+
+
+class TemperatureWithoutRepeats(TemperatureLogitsWarper):
+    """A user's subclass of a history-free warper that reads the history: bans repeating the last token."""
+
+    def __call__(self, input_ids, scores):
+        return super().__call__(input_ids, scores).scatter(1, input_ids[:, -1:], -float("inf"))
+
+
+@pytest.mark.parametrize("config", [SMALL_BUDGET, S3RConfig()], ids=["fixed", "adaptive"])
+def test_a_subclass_of_a_history_free_warper_sees_the_history(config):
+    model = s3r_hf.enable(tiny_model("llama", seed=1))
+    input_ids, attention_mask = left_padded_batch([5, 8], seed=2)
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=10)
+    processors = LogitsProcessorList([TemperatureWithoutRepeats(1.0)])
+    dense = model.generate(input_ids, **kwargs, logits_processor=processors)
+    out = model.generate(input_ids, **kwargs, logits_processor=processors, s3r_config=config)
     assert torch.equal(out, dense)
 
 
