@@ -144,7 +144,7 @@ def _plain_attention(module, query, key, value, attention_mask, dropout, scaling
     output = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                     **kwargs)
     recorder = cache.score_recorder if cache is not None else None
-    if recorder is not None:
+    if recorder is not None and recorder.num_candidates > 0:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         recorder.candidates[module.layer_idx] = _plain_verify_candidates(query, key, scale, recorder)
     return output

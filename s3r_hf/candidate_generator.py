@@ -84,6 +84,8 @@ class SparseSelfDraftCandidateGenerator(CandidateGenerator):
         length = input_ids.shape[1]
         draft_len = min(self.config.draft_len, self.generation_config.max_length - length - 1)
         if draft_len <= 0:
+            # No room for a draft: transformers' loop still runs the target forward, which then records nothing.
+            self.recorder.num_candidates = 0
             return input_ids, None
         if _SLOT not in self.cache.lengths:
             self.cache.add_request()
@@ -108,11 +110,14 @@ class SparseSelfDraftCandidateGenerator(CandidateGenerator):
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         """Refresh the index views from the verify scores the target forward just recorded."""
+        recorded = self.recorder.take()
+        if not recorded:
+            return
         context = self.cache.lengths[_SLOT]
         history = min(self.recorder.history_len, context)
         slots = torch.tensor([_SLOT], device=self.cache.device)
         as_tensor = lambda value: torch.tensor([value], device=self.cache.device)  # noqa: E731
-        for layer, candidates in self.recorder.take().items():
+        for layer, candidates in recorded.items():
             self.cache.index_views.build(
                 layer, slots, candidates, as_tensor(history), as_tensor(context), as_tensor(self.config.budget(context))
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import s3r_hf
@@ -21,6 +22,19 @@ def test_assisted_loop_greedy_matches_dense(model_kind):
     )
     assert torch.equal(out, dense)
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 6])
+def test_assisted_loop_with_no_room_to_draft_matches_dense(max_new_tokens):
+    # With one token left the generator drafts nothing, and transformers' loop still runs the target forward.
+    model = tiny_model("llama", seed=1)
+    input_ids, _ = left_padded_batch([8], seed=2)
+    dense = model.generate(input_ids, do_sample=False, max_new_tokens=max_new_tokens)
+    out = model.generate(
+        input_ids, do_sample=False, max_new_tokens=max_new_tokens, custom_generate=s3r_hf.assisted_generate,
+        s3r_config=S3RConfig(adaptive=False, draft_len=3, page_size=4, seed=0),
+    )
+    assert torch.equal(out, dense)
 
 
 def test_assisted_loop_sampling_path_with_top_k_1_matches_dense():
