@@ -163,10 +163,19 @@ def check_no_active_dropout(model: PreTrainedModel) -> None:
     generates with the model in training mode and leaves dropout on unless `disable_dropout=True`; models without
     dropout (most LLMs ship with zero rates) generate in training mode as they do in eval mode, and are accepted.
     """
-    if not model.training:
-        return
+    where = model_dropout(model, training_modules_only=True) if model.training else None
+    if where is not None:
+        raise ValueError(
+            f"S3R cannot generate with dropout active: the model is in training mode and {where}. Dense "
+            "generate would sample from the dropout-perturbed model, S3R's forwards apply no dropout, so the "
+            "samples would differ; call model.eval() before generate (or set the dropout rates to 0)"
+        )
+
+
+def model_dropout(model: PreTrainedModel, training_modules_only: bool = False) -> str | None:
+    """Where `model` applies dropout, in words (the first module with a non-zero rate), or None."""
     for name, module in model.named_modules():
-        if not module.training:
+        if training_modules_only and not module.training:
             continue
         if isinstance(module, _DROPOUT_MODULES):
             rate, where = module.p, f"dropout module {name!r} has p={module.p}"
@@ -174,11 +183,8 @@ def check_no_active_dropout(model: PreTrainedModel) -> None:
             rate = getattr(module, "attention_dropout", 0.0)
             where = f"{name}.attention_dropout is {rate}"
         if isinstance(rate, (int, float)) and rate > 0:
-            raise ValueError(
-                f"S3R cannot generate with dropout active: the model is in training mode and {where}. Dense "
-                "generate would sample from the dropout-perturbed model, S3R's forwards apply no dropout, so the "
-                "samples would differ; call model.eval() before generate (or set the dropout rates to 0)"
-            )
+            return where
+    return None
 
 
 def context_window(model: PreTrainedModel) -> int | None:

@@ -30,7 +30,7 @@ def count_reward(completions, **kwargs) -> list[float]:
 
 
 def make_trainer(
-    tmp_path, seed: int = 0, s3r_options: dict | None = None, rollout_func=None, **overrides
+    tmp_path, seed: int = 0, s3r_options: dict | None = None, rollout_func=None, policy=None, **overrides
 ) -> S3RGRPOTrainer:
     tokenizer = tiny_tokenizer()
     tokenizer.pad_token = "<eos>"
@@ -45,7 +45,7 @@ def make_trainer(
         **overrides,
     )
     return S3RGRPOTrainer(
-        model=tiny_policy(seed), reward_funcs=count_reward, args=args,
+        model=policy if policy is not None else tiny_policy(seed), reward_funcs=count_reward, args=args,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}), processing_class=tokenizer,
         rollout_func=rollout_func,
     )
@@ -156,6 +156,20 @@ def test_a_rollout_func_is_refused_with_s3r_and_runs_without(tmp_path):
     with pytest.raises(ValueError, match="rollout_func replaces TRL's generation"):
         make_trainer(tmp_path / "s3r", rollout_func=lambda prompts, trainer: None)
     assert make_trainer(tmp_path / "trl", use_s3r=False, rollout_func=lambda prompts, trainer: None).s3r_config is None
+
+
+def test_dropout_in_the_policy_is_refused_before_training_with_its_remedy(tmp_path):
+    """TRL generates in training mode: dense sampling would apply dropout, S3R's forwards apply none."""
+    with_dropout_module = tiny_policy()
+    with_dropout_module.model.embedding_dropout = torch.nn.Dropout(0.1)
+    with pytest.raises(ValueError, match="embedding_dropout.*set disable_dropout=True"):
+        make_trainer(tmp_path / "module", policy=with_dropout_module)
+    # TRL's disable_dropout zeroes the module's rate: accepted.
+    with_dropout_module.model.embedding_dropout.p = 0.1
+    assert make_trainer(tmp_path / "disabled", policy=with_dropout_module, disable_dropout=True).s3r_config is not None
+    with pytest.raises(ValueError, match="attention_dropout is 0.1.*load the policy with attention_dropout=0.0"):
+        make_trainer(tmp_path / "attention", policy=word_model(0, attention_dropout=0.1), disable_dropout=True)
+    assert make_trainer(tmp_path / "trl", policy=word_model(0, attention_dropout=0.1), use_s3r=False).s3r_config is None
 
 
 def test_accelerate_launch_two_cpu_processes():

@@ -15,7 +15,7 @@ from s3r_hf.config import S3RConfig
 from s3r_hf.generate import generate as s3r_generate
 from s3r_hf.sharding import gathered_parameters
 from s3r_hf.stats import S3RStats
-from s3r_hf.validation import check_model_supported
+from s3r_hf.validation import check_model_supported, model_dropout
 
 
 def check_sharding_supported(trainer) -> None:
@@ -34,6 +34,24 @@ def check_sharding_supported(trainer) -> None:
                 "parameters are summoned. Use FSDP2 (accelerate: fsdp_version: 2), DDP, or use_s3r=False in "
                 "S3RGRPOConfig to generate with TRL's own path"
             )
+
+
+def check_no_dropout_in_policy(policy: PreTrainedModel) -> None:
+    """TRL generates with the policy in training mode, where S3R refuses dropout (its forwards apply none, so its
+    samples would not be dense sampling's): refused here, before training starts, with what removes it."""
+    where = model_dropout(policy)
+    if where is None:
+        return
+    # TRL's `disable_dropout` zeroes `nn.Dropout` modules only; an attention module's rate is a float it leaves.
+    remedy = (
+        "set disable_dropout=True in S3RGRPOConfig" if where.startswith("dropout module")
+        else "load the policy with attention_dropout=0.0 (disable_dropout zeroes nn.Dropout modules only)"
+    )
+    raise ValueError(
+        f"S3R rollouts cannot run with dropout in the policy ({where}): TRL generates in training mode, where dense "
+        f"sampling draws dropout masks that S3R's forwards do not apply. To use S3R, {remedy}; or set use_s3r=False "
+        "to generate with TRL's own path"
+    )
 
 
 class _RolloutRecorder:
@@ -105,7 +123,9 @@ class S3RGRPOTrainer(GRPOTrainer):
                     "S3RGRPOConfig, or generate with model.generate(..., s3r_config=...) inside the rollout_func"
                 )
             check_sharding_supported(self)
-            check_model_supported(self.accelerator.unwrap_model(self.model))
+            policy = self.accelerator.unwrap_model(self.model)
+            check_model_supported(policy)
+            check_no_dropout_in_policy(policy)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         multimodal = bool(multimodal_fields) or (images is not None and any(images))
