@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
     # public name: the module that defines it
+    "ContextWindowError": "s3r_hf.errors",
     "KVCapacityError": "s3r_hf.cache",
     "S3RCache": "s3r_hf.cache",
     "S3RConfig": "s3r_hf.config",
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only; at run time `__getattr__` 
     from s3r_hf.cache import KVCapacityError, S3RCache  # noqa: F401
     from s3r_hf.candidate_generator import SparseSelfDraftCandidateGenerator, assisted_generate  # noqa: F401
     from s3r_hf.config import S3RConfig  # noqa: F401
+    from s3r_hf.errors import ContextWindowError  # noqa: F401
     from s3r_hf.generate import S3RGenerateOutput, enable, generate  # noqa: F401
     from s3r_hf.runtime_state import kept_state, release  # noqa: F401
     from s3r_hf.sharding import gathered_parameters  # noqa: F401

@@ -16,6 +16,7 @@ import gc
 import itertools
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -167,8 +168,30 @@ def _sweep(values: str, flag: str, kind) -> list:
     """A comma-separated sweep flag's values; `UsageError` naming the flag for one that does not parse."""
     try:
         return [kind(v) for v in str(values).split(",")]
-    except ValueError as error:
+    except (ValueError, argparse.ArgumentTypeError) as error:
         raise UsageError(f"{flag}: {error}") from error
+
+
+def probability(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text}")
+    return value
+
+
+def check_output_path(path: str | None, flag: str) -> None:
+    """Before anything runs: `path` (a `--json` or `--plot` file) can be written, so no result is lost at the end."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; name a file")
+    parent = target.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise UsageError(f"{flag} {path}: not writable")
 
 
 def refresh_interval_arg(value: str) -> int | None:
@@ -220,9 +243,7 @@ def greedy_agreement(s3r: torch.Tensor, ar: torch.Tensor, prompt_len: int) -> di
 
 def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
     device = str(model.device)
-    requests = args.requests or batch
-    if requests < batch:
-        raise ValueError(f"--requests ({requests}) must be at least the batch size ({batch})")
+    requests = args.requests if args.requests is not None else batch
     repeats = None
     if tokenizer is not None:
         input_ids, distinct = text_prompts(tokenizer, requests, seq, args.texts)
@@ -353,24 +374,26 @@ def plot(points: list[dict], path: str) -> None:
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from s3r_hf.demo import positive_int
+
     parser.add_argument("--model", action="append", help="qwen3-1.7b, qwen3-8b (random weights) or a real model; "
                         "repeatable (default: the embedded SmolLM2-135M)")
     parser.add_argument("--batch", default=None,
                         help="comma-separated batch sizes (requests running at once; default 16)")
-    parser.add_argument("--requests", type=int, default=None,
+    parser.add_argument("--requests", type=positive_int, default=None,
                         help="prompts per point, run at most B at a time (default: B, one fixed batch)")
     parser.add_argument("--seq", default="1024", help="comma-separated prompt lengths")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
+    parser.add_argument("--max-new-tokens", type=positive_int, default=None,
                         help="tokens to generate (default 128; with --rollout, the --preset's)")
     parser.add_argument("--budget", default="0.05", help="comma-separated budget ratios (a sweep)")
     parser.add_argument("--refresh-interval", default="auto",
                         help="comma-separated S3RConfig.refresh_interval values, 'auto' for None (the adaptive rule's "
                              "choice, every round without it); a sweep, rows 's r2' for 2")
     parser.add_argument("--draft-len", type=int, default=6)
-    parser.add_argument("--min-budget", type=int, default=192)
-    parser.add_argument("--prefill-chunk", type=int, default=8192)
+    parser.add_argument("--min-budget", type=positive_int, default=192)
+    parser.add_argument("--prefill-chunk", type=positive_int, default=8192)
     parser.add_argument(
-        "--acceptance", type=float, default=None,
+        "--acceptance", type=probability, default=None,
         help="random-weight models: accept each draft with this probability up to the first rejection (NOT exact). "
         "With draft_len 6, 0.93 accepts 78%% of drafts (tau 5.7), the paper's Qwen3-1.7B point at s=0.05 and what "
         "SmolLM2 reaches on real text; 0.8 accepts 49%% (tau 3.95)",
@@ -406,18 +429,26 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_from_args(args: argparse.Namespace) -> list[dict] | dict:
+    from s3r_hf.demo import positive_int
     from s3r_hf.models import resolve_device
     from s3r_hf.rollout_bench import rollout_from_args
 
     args.device = str(resolve_device(args.device))  # a clear error for a device this machine does not have
-    if args.plot:  # before anything runs, not after it
+    check_output_path(args.json, "--json")  # before anything runs, not after it
+    check_output_path(args.plot, "--plot")
+    if args.plot:
         from s3r_hf.errors import require
 
         require("matplotlib", "bench", "--plot")
     if getattr(args, "rollout", False):
         return rollout_from_args(args)
-    args.batch = args.batch or "16"
-    args.max_new_tokens = args.max_new_tokens or 128
+    args.batch = _sweep(args.batch if args.batch is not None else "16", "--batch", positive_int)
+    args.seq = _sweep(args.seq, "--seq", positive_int)
+    if args.requests is not None and args.requests < max(args.batch):
+        raise UsageError(f"--requests ({args.requests}) must be at least the batch size ({max(args.batch)})")
+    args.max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else 128
+    if args.max_new_tokens < 2:  # the first new token comes from the prefill: one more is the first decode step
+        raise UsageError(f"--max-new-tokens must be at least 2 for the decode grid, got {args.max_new_tokens}")
     if any(name not in RANDOM_SHAPES for name in args.model or [DEFAULT_MODEL]):
         args.texts, args.prompt_source = load_texts(args.data, args.dataset, args.split)
     args.budget = _sweep(args.budget, "--budget", float)
@@ -434,8 +465,8 @@ def bench_from_args(args: argparse.Namespace) -> list[dict] | dict:
     for name in args.model or [DEFAULT_MODEL]:
         model, tokenizer = build_model(name, dtype, args.device)
         enable(model)
-        for batch in (int(v) for v in args.batch.split(",")):
-            for seq in (int(v) for v in args.seq.split(",")):
+        for batch in args.batch:
+            for seq in args.seq:
                 point = run_point(model, tokenizer, name, batch, seq, args, bandwidth)
                 points.append(point)
                 if args.device.startswith("cuda"):

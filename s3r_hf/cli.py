@@ -12,7 +12,7 @@ import importlib
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 from s3r_hf.errors import S3RUserError, UsageError
 
@@ -204,12 +204,20 @@ def generate_from_args(args: argparse.Namespace, console: Any = None) -> dict[st
     return result
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors (a bad flag value, a missing flag) are one line, like every other input
+    error of the command, without the usage block; `--help` prints the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The `s3r-hf` argument parser; with `only`, the flags of that subcommand alone are added (and only its
     module imported), which is all `main` needs."""
     from s3r_hf import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="s3r-hf",
         description="Self-Sparse Speculative Rollouts for HuggingFace transformers: exact dense samples, faster.",
     )

@@ -17,6 +17,10 @@ class UsageError(S3RUserError, ValueError):
     """A flag, prompt or data source that cannot be used."""
 
 
+class ContextWindowError(UsageError):
+    """Prompts and `max_new_tokens` that do not fit the model's context window (`max_position_embeddings`)."""
+
+
 class ModelSourceError(S3RUserError, OSError):
     """A model path or Hub id that does not name a loadable model (missing, not a checkpoint, not on the Hub)."""
 

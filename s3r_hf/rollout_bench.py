@@ -593,7 +593,10 @@ def rollout_settings(args: argparse.Namespace) -> dict[str, Any]:
                                     "real model, whose acceptance is its own")
         if not 0.0 <= args.acceptance <= 1.0:
             raise RolloutUsageError(f"--acceptance must be in [0, 1], got {args.acceptance}")
-    seqs = [int(v) for v in str(args.seq).split(",") if v.strip()]
+    try:
+        seqs = [int(v) for v in str(args.seq).split(",") if v.strip()]
+    except ValueError:
+        seqs = []
     if any(s < 1 for s in seqs) or not seqs:
         raise RolloutUsageError(f"--seq must be positive prompt lengths, got {args.seq!r}")
     try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from s3r_hf.errors import ContextWindowError
+
 _DROPOUT_MODULES = (
     torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
     torch.nn.FeatureAlphaDropout,
@@ -227,20 +229,20 @@ def check_context_window(model: PreTrainedModel, prompts: list[torch.Tensor], ma
     """Refuse prompts that fill the model's context window, and a call whose longest prompt plus `max_new_tokens`
     goes past it. Dense `generate` would go on at positions the model was never trained on; S3R would have to stop
     the row early instead, a different result. Either way the call asks for more than the model holds, so it is an
-    error, with the numbers."""
+    error (a `ContextWindowError`, a `ValueError`), with the numbers."""
     window = context_window(model)
     if window is None or not prompts:
         return
     for row, prompt in enumerate(prompts):
         if prompt.shape[0] >= window:
-            raise ValueError(
+            raise ContextWindowError(
                 f"prompt {row} has {prompt.shape[0]} tokens, which leaves no room in the model's context window "
                 f"of {window} tokens (max_position_embeddings)"
             )
     row = max(range(len(prompts)), key=lambda r: prompts[r].shape[0])
     longest = prompts[row].shape[0]
     if longest + max_new_tokens > window:
-        raise ValueError(
+        raise ContextWindowError(
             f"max_new_tokens={max_new_tokens} after the {longest}-token prompt of row {row} goes past the model's "
             f"context window of {window} tokens (max_position_embeddings); ask for at most {window - longest} new "
             "tokens, or shorten the prompt"

@@ -110,6 +110,52 @@ def test_an_unknown_device_is_one_line(tiny_checkpoint: Path, capsys: pytest.Cap
     assert "device gpu0: not a device torch knows" in err
 
 
+@pytest.mark.parametrize(("device", "message"), [
+    ("meta", "device meta: the meta device holds no weights"),
+    pytest.param("mps", "device mps: not available with this machine and torch build",
+                 marks=pytest.mark.skipif(torch.backends.mps.is_available(), reason="needs a machine without MPS")),
+])
+def test_a_device_this_machine_cannot_generate_on_is_one_line(device, message, tiny_checkpoint: Path, capsys) -> None:
+    err = run_cli(["generate", "--model", str(tiny_checkpoint), "--prompt", "hi", "--device", device], capsys)
+    assert message in err
+
+
+def _break_checkpoint(directory: Path, how: str) -> Path:
+    if how == "config.json is not JSON":
+        (directory / "config.json").write_text("{")
+    elif how == "no weights":
+        (directory / "model.safetensors").unlink()
+    elif how == "truncated weights":
+        (directory / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes()[:20])
+    elif how == "not a causal LM":
+        from transformers import T5Config
+
+        T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2).save_pretrained(directory)
+    elif how == "not a GGUF file":
+        directory = directory / "model.gguf"
+        directory.write_bytes(b"not a gguf file")
+    return directory
+
+
+@pytest.mark.parametrize(("how", "message"), [
+    ("config.json is not JSON", "is not a valid JSON file"),
+    ("no weights", "no file named model.safetensors"),
+    ("truncated weights", "SafetensorError"),
+    ("not a causal LM", "T5Config"),
+    ("not a GGUF file", "GGUF"),
+])
+def test_a_checkpoint_transformers_cannot_load_is_one_line(how, message, tiny_checkpoint: Path, capsys) -> None:
+    model = _break_checkpoint(tiny_checkpoint, how)
+    err = run_cli(["generate", "--model", str(model), "--prompt", "hi", "--device", "cpu"], capsys)
+    assert err.startswith(f"s3r-hf generate: error: model {model}: cannot be loaded: ") and message in err
+
+
+def test_new_tokens_past_the_context_window_are_one_line(tiny_checkpoint: Path, capsys) -> None:
+    argv = ["generate", "--model", str(tiny_checkpoint), "--prompt", "hi", "--device", "cpu", "--max-new-tokens", "200"]
+    err = run_cli(argv, capsys)
+    assert "goes past the model's context window of 128 tokens" in err
+
+
 def test_an_empty_prompt_without_the_chat_template_is_one_line(tiny_checkpoint: Path, capsys) -> None:
     argv = ["generate", "--model", str(tiny_checkpoint), "--prompt", "", "--no-chat-template", "--device", "cpu"]
     err = run_cli(argv, capsys)
@@ -131,9 +177,20 @@ def test_fused_layers_on_a_model_they_do_not_fit_is_one_line(capsys: pytest.Capt
     (["--refresh-interval", "1,0"], "refresh_interval must be an integer >= 1"),
     (["--budget", "0.05,y"], "--budget: could not convert"),
     (["--budget", "2"], "budget_ratio must be a number in"),
+    (["--batch", "a"], "--batch: invalid literal"),
+    (["--batch", "2,0"], "--batch: must be an integer >= 1, got 0"),
+    (["--seq", "0"], "--seq: must be an integer >= 1, got 0"),
+    (["--batch", "2", "--requests", "1"], "--requests (1) must be at least the batch size (2)"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1, got 0"),
+    (["--max-new-tokens", "1"], "--max-new-tokens must be at least 2 for the decode grid"),
+    (["--prefill-chunk", "0"], "argument --prefill-chunk: must be an integer >= 1"),
+    (["--acceptance", "5"], "argument --acceptance: must be a number in [0, 1], got 5"),
+    (["--json", "/nonexistent/dir/out.json"], "--json /nonexistent/dir/out.json: the directory /nonexistent/dir does"),
+    (["--rollout", "--seq", "x"], "--seq must be positive prompt lengths, got 'x'"),
+    (["--rollout", "--plot", "/nonexistent/x.png"], "--plot /nonexistent/x.png: the directory /nonexistent does not"),
 ])
-def test_a_bad_bench_sweep_is_one_line(flags: list[str], message: str, capsys) -> None:
-    err = run_cli(["bench", "--model", "qwen3-tiny", "--device", "cpu", *flags], capsys)
+def test_a_bad_bench_flag_is_one_line_before_anything_runs(flags: list[str], message: str, capsys) -> None:
+    err = run_cli(["bench", "--model", "qwen3-tiny", "--device", "cpu", "--dtype", "float32", *flags], capsys)
     assert message in err
 
 
