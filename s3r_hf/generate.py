@@ -300,9 +300,13 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
     def generate_with_s3r(self, *args, s3r_config: S3RConfig | dict | None = None, **kwargs):
         original_generate = self._s3r_original_generate
         if s3r_config is None:
+            ours = sorted(key for key, value in kwargs.items() if key.startswith("s3r_") and value is not None)
+            if ours:  # transformers would refuse them with a hint to call enable, which was called
+                raise ValueError(f"generate received {ours} without s3r_config; pass s3r_config=S3RConfig(...) "
+                                 "(or {} for the defaults) to run S3R")
             return original_generate(*args, **kwargs)
         kwargs = arguments_by_name(original_generate, args, kwargs)
-        if kwargs.get("custom_generate") is not None:
+        if kwargs.pop("custom_generate", None) is not None:  # None is generate's own default: nothing asked
             raise ValueError("pass either s3r_config or custom_generate to generate, not both")
         if kwargs.get("assistant_model") is not None:
             raise ValueError("S3R drafts with the model itself; assistant_model cannot be combined with s3r_config")

@@ -142,3 +142,16 @@ def test_s3r_config_with_custom_generate_or_assistant_is_rejected():
     with pytest.raises(ValueError, match="assistant_model"):
         model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=2, s3r_config=S3RConfig(),
                        assistant_model=model)
+    # None is generate's own default for both: nothing is asked beside S3R.
+    out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=2, do_sample=False,
+                         s3r_config=S3RConfig(), custom_generate=None, assistant_model=None)
+    dense = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=2, do_sample=False)
+    assert torch.equal(out, dense)
+
+
+@pytest.mark.parametrize("option", [{"s3r_mode": "ar"}, {"s3r_timing": True}])
+def test_an_s3r_option_without_s3r_config_on_an_enabled_model_names_s3r_config(option):
+    model = s3r_hf.enable(tiny_model())
+    input_ids, attention_mask = left_padded_batch([5])
+    with pytest.raises(ValueError, match=rf"received \['{next(iter(option))}'\] without s3r_config; pass s3r_config="):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=2, **option)
