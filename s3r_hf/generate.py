@@ -121,6 +121,8 @@ def generate(
         stopping = BatchStopping(
             custom_criteria, requests, input_ids, _pad_token_id(generation_config), streamer=streamer,
             scores=output_scores,
+            # dense's test for padding finished rows, as written there
+            pads_stopped_rows=any(hasattr(c, "eos_token_id") for c in stopping_criteria),
         )
     try:
         sampling = SamplingSetup(

@@ -9,6 +9,9 @@ criteria and the streamer as soon as every unfinished row has committed `t` toke
 step that stops it is cut back to that step (`Request.truncate`). Criteria that answer per row, count their calls or
 read the whole batch therefore see exactly the calls dense `generate` makes, and the output is the one it returns.
 EOS and `max_new_tokens` are not criteria here: the engine stops rows on them itself, as it commits.
+
+Without an EOS criterion dense `generate` pads no row: a row a criterion stopped goes on sampling real tokens until
+every row has stopped, and all rows end at that step. `pads_stopped_rows=False` replays that.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class BatchStopping:
         scores: pass the criteria dense's `scores` argument (the tuple of every step's processed scores `[B, V]`,
             which dense builds only with `return_dict_in_generate=True, output_scores=True`); otherwise `None`, as
             dense passes. Rows without a token at a step hold zeros there.
+        pads_stopped_rows: whether a row ends at the step a criterion stops it (dense with an EOS criterion), or
+            samples on until every row has stopped (dense without one).
     """
 
     def __init__(
@@ -44,6 +49,7 @@ class BatchStopping:
         pad_token_id: int,
         streamer: Any = None,
         scores: bool = False,
+        pads_stopped_rows: bool = True,
     ) -> None:
         self.criteria = criteria
         self.requests = requests
@@ -53,6 +59,8 @@ class BatchStopping:
         self.prompt_width = input_ids.shape[1]
         self.step = 0  # steps already handed over
         self.stopped_at: dict[int, int] = {}  # row -> the step at which a criterion stopped it
+        self.pads_stopped_rows = pads_stopped_rows
+        self.flagged: set[int] = set()  # without padding: rows a criterion stopped, sampling on until all are
         self.input_ids: torch.Tensor | None = None
         if len(criteria) > 0:
             longest = max((r.max_new_tokens for r in requests), default=0)
@@ -107,6 +115,12 @@ class BatchStopping:
                 self.streamer.put(torch.tensor(tokens))
         for request, has, stop in zip(self.requests, live, stops):
             if has and stop and request.row not in self.stopped_at:
+                if self.pads_stopped_rows:
+                    self._stop(request, step)
+                else:
+                    self.flagged.add(request.row)
+        if self.flagged and len(self.flagged) == len(self.requests):
+            for request in self.requests:
                 self._stop(request, step)
 
     def _step_scores(self, step: int, live: list[bool]) -> torch.Tensor:

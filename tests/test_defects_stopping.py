@@ -12,6 +12,7 @@ from s3r_hf import S3RConfig
 from s3r_hf.request import RequestStatus
 from s3r_hf.stopping import BatchStopping
 from tests.conftest import left_padded_batch, tiny_model
+from tests.test_defects_generate_kwargs import RecordingStreamer
 
 CONFIG = S3RConfig(adaptive=False, draft_len=4, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
 
@@ -102,6 +103,36 @@ def test_criteria_stop_rows_exactly_under_kv_pressure(monkeypatch):
     assert out.s3r_stats.offload_episodes > 0, "the pool was meant to run short"
     assert any(status is RequestStatus.PAUSED for _, _, status, _ in stopped), "a paused row was meant to be stopped"
     assert any(committed > step for _, step, _, committed in stopped), "a row was meant to run ahead of its stop"
+
+
+PRESSURE = S3RConfig(**{**CONFIG.to_dict(), "num_pages": 30, "utilization_low": 1.0, "utilization_high": 1.0,
+                         "admission_sigmas": None})
+
+
+@pytest.mark.parametrize("config", [CONFIG, S3RConfig(), PRESSURE], ids=["fixed", "adaptive", "kv pressure"])
+def test_without_eos_rows_a_criterion_stopped_sample_on_until_all_stopped_as_in_dense(config):
+    """Dense pads finished rows only with an EOS criterion: without one, a stopped row keeps its real tokens, and
+    the call ends at the step the last row stops."""
+    model = s3r_hf.enable(tiny_model("llama", seed=54, eos_token_id=None))
+    model.generation_config.eos_token_id = None
+    input_ids, attention_mask = left_padded_batch([20, 22, 24, 26], seed=55)
+    free = _free_run(model, input_ids, attention_mask, 40)
+    stop_ids = [int(free[0, 5]), int(free[1, 11]), int(free[2, 17]), int(free[3, 24])]
+    streamers = [RecordingStreamer(), RecordingStreamer()]
+    outputs = [
+        model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40,
+                       stopping_criteria=StoppingCriteriaList([StopOnOwnToken(stop_ids)]), streamer=streamer,
+                       **options)
+        for streamer, options in zip(streamers, [{}, {"s3r_config": config}])
+    ]
+    dense, out = outputs
+    new_tokens = dense.shape[1] - input_ids.shape[1]
+    assert new_tokens < 40, "every row was meant to stop before max_new_tokens"
+    assert torch.equal(dense[:, input_ids.shape[1]:], free[:, :new_tokens]), "dense was meant to keep real tokens"
+    assert torch.equal(out, dense)
+    assert streamers[1].puts == streamers[0].puts
+    if config is PRESSURE:
+        assert out.s3r_stats.offload_episodes > 0, "the pool was meant to run short"
 
 
 @pytest.mark.parametrize("own", ["eos", "max_length", "both", "max_length within the prompt"])
