@@ -42,8 +42,8 @@ class RaggedLogitsProcessor:
     the exact `input_ids` rows that `generate` would pass them (rows not in the call are zero-filled and their
     outputs dropped). `prefix_allowed_tokens_fn` (`PrefixConstrainedLogitsProcessor`) is the exception: it hands each
     row's history to a user's function, which may reject a history it does not know (a constraint trie returning no
-    token for a zero-filled row makes transformers raise), so it is called for each entry alone, with its own batch
-    row's id. Processors that keep state *across* calls are not supported.
+    token for a zero-filled row makes transformers raise), so it is called for each entry alone, with its
+    prompt's index as the batch id, as in dense `generate`. Processors that keep state *across* calls are not supported.
 
     Args:
         processors: the list `generate` prepared.
@@ -113,11 +113,15 @@ def _per_entry(processor: LogitsProcessor) -> bool:
 
 
 def _each_row_alone(processor: PrefixConstrainedLogitsProcessor, rows, histories, scores: torch.Tensor) -> torch.Tensor:
-    """transformers' own `processor` on each entry as a batch of one, its function told the entry's batch row (S3R
-    runs no beams, so the batch id is the row)."""
+    """transformers' own `processor` on each entry as a batch of one, its function told the batch id dense `generate`
+    gives that row: its prompt's index, `row // num_return_sequences` (transformers builds the processor with
+    `num_beams=max(num_beams, num_return_sequences)`, and S3R runs no beams)."""
     out = torch.empty_like(scores)
     single = copy.copy(processor)
+    single._num_beams = 1
+    sequences_per_prompt = processor._num_beams
     for entry, (row, history) in enumerate(zip(rows, histories)):
-        single._prefix_allowed_tokens_fn = lambda _, sent, row=row: processor._prefix_allowed_tokens_fn(row, sent)
+        prompt = row // sequences_per_prompt
+        single._prefix_allowed_tokens_fn = lambda _, sent, p=prompt: processor._prefix_allowed_tokens_fn(p, sent)
         out[entry] = single(history[None].to(scores.device), scores[entry : entry + 1])[0]
     return out

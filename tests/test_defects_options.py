@@ -98,6 +98,30 @@ def test_prefix_allowed_tokens_fn_is_called_with_real_histories_only(do_sample):
         assert all(token in allowed_for(position) for token in out[:, position].tolist())
 
 
+@pytest.mark.parametrize("top_k", [1, 0], ids=["point-mass", "sampled"])
+def test_prefix_allowed_tokens_fn_with_several_sequences_per_prompt_gets_the_prompts_index(top_k):
+    """With `num_return_sequences` > 1 dense `generate` calls the function with the prompt's index (row // sequences
+    per prompt), and so does S3R: the function here allows tokens by prompt and refuses an index past the prompts."""
+    model, input_ids, attention_mask = _model_and_batch(77)
+    prompts = input_ids.shape[0]
+    seen: set[int] = set()
+
+    def allowed(batch_id: int, sent: torch.Tensor) -> list[int]:
+        assert batch_id < prompts, f"batch id {batch_id} of {prompts} prompts"
+        seen.add(batch_id)
+        return list(range(10 + 40 * batch_id, 40 + 40 * batch_id))
+
+    options = dict(max_new_tokens=8, do_sample=True, top_k=top_k, num_return_sequences=3,
+                   prefix_allowed_tokens_fn=allowed)
+    out = model.generate(input_ids, attention_mask=attention_mask, s3r_config=CONFIG, **options)
+    assert seen == set(range(prompts))
+    rows_prompt = torch.arange(out.shape[0]) // 3
+    new = out[:, input_ids.shape[1]:]
+    assert ((new >= 10 + 40 * rows_prompt[:, None]) & (new < 40 + 40 * rows_prompt[:, None])).all()
+    if top_k == 1:  # a point mass: exactness means token identity
+        assert torch.equal(out, model.generate(input_ids, attention_mask=attention_mask, **options))
+
+
 # ---------------------------------------------------------------- item 5: training mode
 def test_training_mode_with_attention_dropout_is_refused_naming_eval():
     model, input_ids, attention_mask = _model_and_batch(74, attention_dropout=0.1)
