@@ -19,6 +19,8 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from s3r_hf.model_session import outside_call
+
 # Processors whose output depends only on the scores, never on the token history: one batched call covers
 # all rows whatever their lengths. Matched by exact type: a subclass may read the history.
 _HISTORY_FREE = (
@@ -80,13 +82,15 @@ class RaggedLogitsProcessor:
             placeholder = torch.zeros(scores.shape[0], 1, dtype=torch.long, device=scores.device)
             return self.processors(placeholder, scores)
         # Consecutive processors other than the prefix constraint run as one list, so each history length's batch
-        # is built once for all of them.
-        for per_entry, run in itertools.groupby(self.processors, key=_per_entry):
-            if per_entry:
-                for processor in run:
-                    scores = _each_row_alone(processor, rows, histories, scores)
-            else:
-                scores = self._by_history_length(LogitsProcessorList(run), rows, histories, scores)
+        # is built once for all of them. A user's processor may run the model (to score a candidate, say): as with
+        # stopping criteria, it gets the model's own code, not this call's attention.
+        with outside_call():
+            for per_entry, run in itertools.groupby(self.processors, key=_per_entry):
+                if per_entry:
+                    for processor in run:
+                        scores = _each_row_alone(processor, rows, histories, scores)
+                else:
+                    scores = self._by_history_length(LogitsProcessorList(run), rows, histories, scores)
         return scores
 
     def _by_history_length(

@@ -11,8 +11,8 @@ replaced (`compiled_layers.py`, `fused_projections.py`). Another thread may use 
 - What is installed on the layers asks `owns(model)` and runs the model's own code in every other thread.
 - A re-entrant lock per model serializes S3R calls on one model (the layer installs are per model, and one call's
   exit must not undo them under another call): a second thread's call waits for the first to return.
-- User callbacks of a call (stopping criteria, a streamer) run `outside_call`: a forward or a dense `generate`
-  they run on the model sees it unchanged, and an S3R call they make on it is refused.
+- User callbacks of a call (stopping criteria, a streamer, logits processors) run `outside_call`: a forward or a
+  dense `generate` they run on the model sees it unchanged, and an S3R call they make on it is refused.
 """
 
 from __future__ import annotations
@@ -60,10 +60,10 @@ def hold(model: torch.nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def outside_call() -> Iterator[None]:
-    """Run a user callback of an S3R call (a stopping criterion, a streamer) as if outside the call: within the block
-    this thread holds no model and overrides no attention, so a forward or a dense `generate` the callback runs on
-    the model gets the model's own code. The models stay locked against other threads' S3R calls, and an S3R call
-    on one of them from the callback is refused (`check_not_nested`)."""
+    """Run a user callback of an S3R call (a stopping criterion, a streamer, a logits processor) as if outside the
+    call: within the block this thread holds no model and overrides no attention, so a forward or a dense `generate`
+    the callback runs on the model gets the model's own code. The models stay locked against other threads' S3R
+    calls, and an S3R call on one of them from the callback is refused (`check_not_nested`)."""
     models, attention, paused = _thread_list("models"), _thread_list("attention"), _thread_list("paused")
     saved_models, saved_attention = list(models), list(attention)
     paused.extend(saved_models)

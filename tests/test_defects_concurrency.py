@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 import s3r_hf
 from s3r_hf import S3RConfig
@@ -155,6 +155,36 @@ def test_a_stopping_criterion_s_forwards_and_dense_generate_on_the_model_are_den
     out = model.generate(s3r_config=config, stopping_criteria=StoppingCriteriaList([criterion]), **kwargs)
     assert criterion.called and criterion.error is None, criterion.error
     assert torch.equal(criterion.result, dense)
+    assert torch.equal(out, dense)
+    _assert_unchanged(model, kwargs, reference)
+
+
+class ProcessorCallsInside(LogitsProcessor):
+    """A logits processor that runs `action` (holding the model in a closure, as a scoring function would) on its
+    first call and leaves the scores unchanged."""
+
+    def __init__(self, action) -> None:
+        self.inner = CallsInside(action)
+
+    def __call__(self, input_ids, scores):
+        self.inner(input_ids, scores)
+        return scores
+
+
+def test_a_logits_processor_s_forwards_and_dense_generate_on_the_model_are_dense():
+    """A logits processor runs inside the S3R call, as stopping criteria do, and sees the model as its own code runs
+    it: its forwards used to run under S3R's packed attention and gave other logits."""
+    model, kwargs, reference, dense = _setup(seed=54)
+
+    def inside():
+        assert not owns(model)
+        _assert_unchanged(model, kwargs, reference)
+        return model.generate(**kwargs)
+
+    processor = ProcessorCallsInside(inside)
+    out = model.generate(s3r_config=CONFIG, logits_processor=LogitsProcessorList([processor]), **kwargs)
+    assert processor.inner.called and processor.inner.error is None, processor.inner.error
+    assert torch.equal(processor.inner.result, dense)
     assert torch.equal(out, dense)
     _assert_unchanged(model, kwargs, reference)
 
