@@ -23,6 +23,7 @@ from s3r_hf.fused_layers import check_fusable
 from s3r_hf.generate_kwargs import (
     arguments_by_name,
     check_generate_call,
+    check_no_token_healing,
     stop_strings_as_criterion,
     streamer_ended_on_error,
 )
@@ -312,6 +313,7 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
             raise ValueError("pass either s3r_config or custom_generate to generate, not both")
         if kwargs.get("assistant_model") is not None:
             raise ValueError("S3R drafts with the model itself; assistant_model cannot be combined with s3r_config")
+        check_no_token_healing(self, kwargs)
         kwargs = stop_strings_as_criterion(self, kwargs)  # transformers would drop the tokenizer they need
         return original_generate(custom_generate=generate, s3r_config=s3r_config, **kwargs)
 

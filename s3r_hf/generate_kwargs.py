@@ -129,6 +129,28 @@ def arguments_by_name(generate: Any, args: tuple, kwargs: dict[str, Any]) -> dic
     return {**named, **kwargs}
 
 
+def requested_option(model: PreTrainedModel, kwargs: dict[str, Any], name: str) -> Any:
+    """The value of generation option `name` that `generate` would use: the call's keyword (also as an explicit
+    None, as in transformers' `generate`), else the passed `generation_config`'s, else the model's."""
+    if name in kwargs:
+        return kwargs[name]
+    for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def check_no_token_healing(model: PreTrainedModel, kwargs: dict[str, Any]) -> None:
+    """For `enable`'s `generate`: refuse `token_healing` by name. transformers drops the tokenizer it needs on the
+    way to S3R and would ask for a tokenizer the caller passed."""
+    if requested_option(model, kwargs, "token_healing"):
+        raise ValueError(
+            "token_healing=True is not supported with s3r_config: heal the prompts first with "
+            "model.heal_tokens(input_ids, tokenizer) and generate from the healed ids"
+        )
+
+
 def stop_strings_as_criterion(model: PreTrainedModel, kwargs: dict[str, Any]) -> dict[str, Any]:
     """For `enable`'s `generate`: turn `stop_strings` (from the call, its `generation_config` or the model's) and
     `tokenizer` into a `StopStringCriteria` in `stopping_criteria`, which does reach S3R. Returns the new kwargs;
@@ -136,13 +158,7 @@ def stop_strings_as_criterion(model: PreTrainedModel, kwargs: dict[str, Any]) ->
     tokenizer = kwargs.get("tokenizer")
     if tokenizer is None:
         return kwargs
-    if "stop_strings" in kwargs:  # outranks both configs, also as an explicit None (as in transformers' generate)
-        stop_strings = kwargs["stop_strings"]
-    else:
-        for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
-            stop_strings = getattr(config, "stop_strings", None)
-            if stop_strings is not None:
-                break
+    stop_strings = requested_option(model, kwargs, "stop_strings")
     if not stop_strings:
         return kwargs
     criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])

@@ -170,6 +170,21 @@ def test_stop_strings_are_resolved_as_transformers_resolves_them(where, caplog):
     assert stopped_early == (where != "explicit None over the model's")
 
 
+@pytest.mark.parametrize("where", ["argument", "model's generation config"])
+def test_token_healing_is_refused_by_name_with_its_remedy(where):
+    """transformers drops the tokenizer before S3R runs and then asked for a tokenizer the caller had passed."""
+    tokenizer = char_tokenizer()
+    model = s3r_hf.enable(tiny_model("llama", seed=63, vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=1))
+    batch = tokenizer(["how many eggs?"], return_tensors="pt")
+    kwargs = dict(attention_mask=batch.attention_mask, tokenizer=tokenizer, max_new_tokens=4)
+    if where == "argument":
+        kwargs["token_healing"] = True
+    else:
+        model.generation_config.token_healing = True
+    with pytest.raises(ValueError, match=r"token_healing=True is not supported.*model\.heal_tokens"):
+        model.generate(batch.input_ids, s3r_config=CONFIG, **kwargs)
+
+
 def test_generate_arguments_by_position_reach_s3r_as_by_name():
     """`enable`'s `generate` takes transformers' positional arguments; one given twice is refused as Python would."""
     model = s3r_hf.enable(tiny_model("llama", seed=64))
