@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
+from transformers.utils import logging
 
 from s3r_hf.errors import ContextWindowError
+
+logger = logging.get_logger(__name__)
 
 _DROPOUT_MODULES = (
     torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
@@ -210,9 +213,17 @@ _STATEFUL_PROCESSORS = {
 
 def check_logits_processors(processors) -> None:
     """Refuse logits processors that run a model or keep state across calls, where that can be seen: the known
-    transformers ones, and any processor holding a `torch.nn.Module`."""
+    transformers ones, and any processor holding a `torch.nn.Module`. Warn once per class of a user's own processor
+    what S3R asks of it, which no check can see (`RaggedLogitsProcessor` calls it)."""
     for processor in processors:
         name = type(processor).__name__
+        if not type(processor).__module__.startswith("transformers."):
+            logger.warning_once(
+                f"S3R calls the logits processor {name} on draft and verify scores, more often than dense generate "
+                "and one history length at a time, with the other rows of input_ids zero-filled: its output is the "
+                "dense one only if it computes each row from that row's input_ids and scores alone and keeps no "
+                "state across calls"
+            )
         option = _STATEFUL_PROCESSORS.get(name)
         if option is not None:
             raise ValueError(f"S3R does not support {option}; generate without s3r_config for it")

@@ -76,6 +76,31 @@ def test_a_processor_holding_a_model_is_refused_by_name():
                        s3r_config=CONFIG)
 
 
+class BansTheLastToken(LogitsProcessor):
+    """A row-wise processor that reads the history: it bans each row's last token."""
+
+    def __call__(self, input_ids, scores):
+        return scores.scatter(1, input_ids[:, -1:], float("-inf"))
+
+
+def test_a_users_own_processor_gets_one_warning_of_what_s3r_asks_of_it():
+    """No check can see whether a processor reads across rows or keeps state across calls, so S3R says once what it
+    asks of a processor of the user's own (transformers' processors get no warning), and a row-wise one is exact."""
+    model, input_ids, attention_mask = _model_and_batch(78)
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=8, do_sample=False, repetition_penalty=1.3)
+    logger = logging.get_logger("s3r_hf.validation")
+    with CaptureLogger(logger) as captured:
+        model.generate(input_ids, s3r_config=CONFIG, **kwargs)
+    assert "logits processor" not in captured.out
+    processors = LogitsProcessorList([BansTheLastToken()])
+    with CaptureLogger(logger) as captured:
+        out = model.generate(input_ids, s3r_config=CONFIG, logits_processor=processors, **kwargs)
+        model.generate(input_ids, s3r_config=CONFIG, logits_processor=processors, **kwargs)
+    assert captured.out.count("logits processor BansTheLastToken") == 1
+    assert "each row from that row's input_ids and scores alone" in captured.out
+    assert torch.equal(out, model.generate(input_ids, logits_processor=processors, **kwargs))
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_prefix_allowed_tokens_fn_is_called_with_real_histories_only(do_sample):
     """A constraint function that knows only its row's real histories (a trie returns no token for others, and
