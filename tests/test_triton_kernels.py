@@ -442,38 +442,3 @@ def test_new_batch_sizes_and_contexts_reuse_the_kernel_variants_built(stored, mo
     for num_requests, context in ((48, 3001), (17, 1000), (33, 517), (3, 77), (2, 250), (64, 8191)):
         steps(num_requests, context)
     assert triton_backend.compiled_variants() == built
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="Triton builds kernel variants on a GPU only (interpreted, none)")
-@pytest.mark.parametrize("first", ["split", "unsplit"])
-def test_a_logit_storing_verify_builds_its_split_and_unsplit_variants_together(first, monkeypatch):
-    """Whether a verify that stores logits is split depends on its batch and contexts: a GRPO step that met the other
-    choice for the first time built a variant (~1 s) mid-run. The first launch of such a kernel builds both, and its
-    output is the reference's."""
-    monkeypatch.setattr(triton_backend, "stores_logits", lambda rows, head_dim, size: True)
-    generator = torch.Generator().manual_seed(5)
-    num_kv_heads, group, page_size, width = 2, 3, 16, 4
-    head_dim = 40 if first == "split" else 48  # head sizes no other test launches: fresh variants
-
-    def verify(num_requests: int, context: int) -> None:
-        contexts = [context - row % 3 for row in range(num_requests)]
-        num_pages = sum(-(-(c + width) // page_size) for c in contexts) + 1
-        key_pool, value_pool = paged_pools(num_pages, page_size, num_kv_heads, head_dim, generator)
-        tables = block_tables_for([c + width for c in contexts], page_size, num_pages, generator)
-        positions = torch.cat([torch.arange(c, c + width) for c in contexts]).to(DEVICE)
-        cu = torch.arange(0, num_requests * width + 1, width, device=DEVICE)
-        query = torch.randn(num_requests * width, num_kv_heads * group, head_dim, generator=generator).to(DEVICE)
-        starts = torch.zeros(num_requests, dtype=torch.long, device=DEVICE)
-        args = (query, key_pool, value_pool, tables, cu, positions, 0.1, starts)
-        out, lse, scores = triton_backend.paged_dense_attention(*args)
-        expected = reference.paged_dense_attention(*args)
-        torch.testing.assert_close(out, expected[0], atol=2e-3, rtol=2e-3)
-        torch.testing.assert_close(scores, expected[2], atol=2e-3, rtol=2e-3)
-
-    shapes = [(32, 4096), (1, 100)]  # split keys (few programs, long contexts), then unsplit (one short row)
-    if first == "unsplit":
-        shapes.reverse()
-    verify(*shapes[0])
-    built = triton_backend.compiled_variants()
-    verify(*shapes[1])
-    assert triton_backend.compiled_variants() == built

@@ -492,8 +492,6 @@ def paged_dense_attention(
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     grid = (num_segments, num_kv_heads, num_q_blocks * splits)
-    constants = dense_constants(group, head_dim, key_pool.shape[1], query.dtype, block_m, rows, settings,
-                                logits is not None, num_q_blocks == 1, counts_live, splits)
     _dense_varlen_kernel[grid](
         query, key_pool, value_pool, block_tables, cu, positions, out, lse, scratch,
         score_starts if score_starts is not None else cu, live_segments if live_segments is not None else cu,
@@ -505,17 +503,10 @@ def paged_dense_attention(
         scratch.stride(0) if logits is not None else 0,
         scratch.stride(1) if logits is not None else 0,
         scratch.stride(2) if logits is not None else 0,
-        scale, num_q_blocks, **constants,
+        scale, num_q_blocks,
+        **dense_constants(group, head_dim, key_pool.shape[1], query.dtype, block_m, rows, settings, logits is not None,
+                          num_q_blocks == 1, counts_live, splits),
     )
-    if logits is not None and _first_of_its_bounds(constants, query, key_pool):
-        # Whether a verify that stores logits is split (`WHOLE_CONTEXT`) depends on the batch and its contexts, so a
-        # later rollout step could meet the other variant and compile it (~1 s) mid-run: build it now, by running
-        # the same launch with the other split choice once (a capture has run the launch eagerly first).
-        paged_dense_attention(
-            query, key_pool, value_pool, block_tables, cu_seqlens, positions, scale, score_starts,
-            max_query_len=max_query_len, max_context=max_context, max_scored_queries=max_scored_queries,
-            num_splits=2 if splits == 1 else 1, live_segments=live_segments, min_live_segments=min_live_segments,
-        )
     live = (live_segments, programs, target) if counts_live else None
     out, lse = merge_splits(out, lse, query.dtype, live)
     if score_starts is None:
@@ -526,22 +517,6 @@ def paged_dense_attention(
         query, key_pool, block_tables, cu, positions, score_starts, lse, scale, max(max_context, 1), max_scored_rows
     )
     return out, lse, scores
-
-
-_BOUNDS_SEEN: set[tuple] = set()
-
-
-def _first_of_its_bounds(constants: dict, query: torch.Tensor, key_pool: torch.Tensor) -> bool:
-    """Whether this is the first eager launch on a GPU of a logit-storing dense kernel with these constants, whatever
-    its split choice (`WHOLE_CONTEXT`, and `COUNT_LIVE`, which only a split launch sets); marks it seen."""
-    if query.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return False
-    key = (query.device, query.dtype, key_pool.dtype, *sorted(
-        (name, value) for name, value in constants.items() if name not in ("WHOLE_CONTEXT", "COUNT_LIVE")))
-    if key in _BOUNDS_SEEN:
-        return False
-    _BOUNDS_SEEN.add(key)
-    return True
 
 
 def stores_logits(scored_rows: int, head_dim: int, kv_element_size: int) -> bool:
