@@ -137,6 +137,18 @@ class CallsInside(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+def _sees_the_model_as_its_own(model, kwargs, reference):
+    """A callback's action: outside the S3R call by `owns`, a padded forward gives the model's own logits, and a
+    dense `generate` runs (its output is the action's result)."""
+
+    def inside():
+        assert not owns(model)
+        _assert_unchanged(model, kwargs, reference)
+        return model.generate(**kwargs)
+
+    return inside
+
+
 @pytest.mark.parametrize("compile_layers", [False, True])
 def test_a_stopping_criterion_s_forwards_and_dense_generate_on_the_model_are_dense(compile_layers):
     """A callback of the S3R call, in the same thread, sees the model as its own code runs it: a padded forward and a
@@ -145,13 +157,7 @@ def test_a_stopping_criterion_s_forwards_and_dense_generate_on_the_model_are_den
     config = S3RConfig(**{**CONFIG.to_dict(), "compile_layers": compile_layers})
     if compile_layers:
         torch._dynamo.reset()
-
-    def inside():
-        assert not owns(model)
-        _assert_unchanged(model, kwargs, reference)
-        return model.generate(**kwargs)
-
-    criterion = CallsInside(inside)
+    criterion = CallsInside(_sees_the_model_as_its_own(model, kwargs, reference))
     out = model.generate(s3r_config=config, stopping_criteria=StoppingCriteriaList([criterion]), **kwargs)
     assert criterion.called and criterion.error is None, criterion.error
     assert torch.equal(criterion.result, dense)
@@ -175,13 +181,7 @@ def test_a_logits_processor_s_forwards_and_dense_generate_on_the_model_are_dense
     """A logits processor runs inside the S3R call, as stopping criteria do, and sees the model as its own code runs
     it: its forwards used to run under S3R's packed attention and gave other logits."""
     model, kwargs, reference, dense = _setup(seed=54)
-
-    def inside():
-        assert not owns(model)
-        _assert_unchanged(model, kwargs, reference)
-        return model.generate(**kwargs)
-
-    processor = ProcessorCallsInside(inside)
+    processor = ProcessorCallsInside(_sees_the_model_as_its_own(model, kwargs, reference))
     out = model.generate(s3r_config=CONFIG, logits_processor=LogitsProcessorList([processor]), **kwargs)
     assert processor.inner.called and processor.inner.error is None, processor.inner.error
     assert torch.equal(processor.inner.result, dense)
