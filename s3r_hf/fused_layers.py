@@ -129,7 +129,8 @@ def fused_forward(parts: LayerParts, ops: ModuleType, hidden_states: torch.Tenso
         x, parts.input_norm.weight, parts.input_norm.variance_epsilon, parts.q.weight, parts.k.weight,
         parts.v.weight, parts.q.bias, parts.k.bias, parts.v.bias, cos[0], sin[0], parts.head_dim,
         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-        1e-6 if q_norm is None else q_norm.variance_epsilon, *kwargs["s3r_cache"].step_kv_target(attention.layer_idx),
+        1e-6 if q_norm is None else q_norm.variance_epsilon, 1e-6 if k_norm is None else k_norm.variance_epsilon,
+        *kwargs["s3r_cache"].step_kv_target(attention.layer_idx),
     )
     num_heads = parts.q.out_features // parts.head_dim
     num_kv_heads = parts.k.out_features // parts.head_dim

@@ -59,7 +59,9 @@ def _qkv_inputs(rows, hidden, head_dim, heads, kv_heads, dtype, bias, head_norm,
         q_bias=randn(heads * head_dim) if bias else None, k_bias=randn(kv_heads * head_dim) if bias else None,
         v_bias=randn(kv_heads * head_dim) if bias else None, cos=cos, sin=sin, head_dim=head_dim,
         q_norm_weight=1 + randn(head_dim, scale=0.1) if head_norm else None,
-        k_norm_weight=1 + randn(head_dim, scale=0.1) if head_norm else None, head_norm_eps=1e-6,
+        k_norm_weight=1 + randn(head_dim, scale=0.1) if head_norm else None,
+        # Distinct epsilons, as a model may hold: a kernel that used one for both heads would not match.
+        q_norm_eps=1e-6, k_norm_eps=0.25,
     )
 
 
@@ -213,7 +215,7 @@ def test_reference_layer_equals_the_models_own_layer():
     qkv = layer_reference.norm_qkv_rope(
         hidden[0], parts.input_norm.weight, parts.input_norm.variance_epsilon, parts.q.weight, parts.k.weight,
         parts.v.weight, None, None, None, cos[0], sin[0], parts.head_dim, parts.q_norm.weight, parts.k_norm.weight,
-        parts.q_norm.variance_epsilon,
+        parts.q_norm.variance_epsilon, parts.k_norm.variance_epsilon,
     )
     heads, kv_heads = TINY["num_attention_heads"], TINY["num_key_value_heads"]
     q, k, v = (t.transpose(0, 1) for t in qkv.split([heads, kv_heads, kv_heads], dim=1))  # [H, N, D]
@@ -305,6 +307,23 @@ def test_fused_layers_read_the_weights_of_the_moment(count_fused):
     dense = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, s3r_config=config)
     assert torch.equal(out, dense)
+
+
+def test_fused_layers_use_each_head_norms_own_epsilon(count_fused):
+    """Qwen3's q_norm and k_norm each have their own `variance_epsilon`; the fused kernel once used q_norm's for
+    both, and a model whose two differ decoded otherwise than dense."""
+    model = s3r_hf.enable(tiny_model("qwen3", initializer_range=0.2, **FUSABLE).to(DEVICE))
+    ids, mask = left_padded_batch([9, 13, 6], seed=7)
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False)
+    before = model.generate(ids, **kwargs)
+    for layer in model.model.layers:
+        layer.self_attn.k_norm.variance_epsilon = 5.0
+    dense = model.generate(ids, **kwargs)
+    assert not torch.equal(dense, before), "the epsilon should change dense decoding"
+    out = model.generate(ids, **kwargs, s3r_config=S3RConfig(min_budget=4, fused_layers=True, adaptive=False))
+    assert torch.equal(out, dense)
+    assert count_fused
 
 
 def test_under_autocast_to_another_dtype_the_layers_run_their_own_forward(count_fused):

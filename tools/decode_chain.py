@@ -71,7 +71,7 @@ class Chain:
         for w, (keys, values), view in zip(self.weights, self.pools, self.views):
             qkv = layer_triton.norm_qkv_rope(
                 x, w["input_norm"], 1e-6, w["q"], w["k"], w["v"], None, None, None, self.cos, self.sin, dim,
-                w["q_norm"], w["k_norm"], 1e-6, keys, values, self.write_rows,
+                w["q_norm"], w["k_norm"], 1e-6, 1e-6, keys, values, self.write_rows,
             )
             query = qkv[:, :heads]
             if attention == "sparse":

@@ -61,7 +61,8 @@ def norm_qkv_rope(
     head_dim: int,
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
-    head_norm_eps: float = 1e-6,
+    q_norm_eps: float = 1e-6,
+    k_norm_eps: float = 1e-6,
     key_pool: torch.Tensor | None = None,
     value_pool: torch.Tensor | None = None,
     pool_rows: torch.Tensor | None = None,
@@ -69,7 +70,8 @@ def norm_qkv_rope(
     """Q, K and V heads of rows `x` `[M, hidden]`: `[M, Hq + 2 Hkv, head_dim]`, queries first, then keys, then values.
 
     `cos`/`sin` are `[M, head_dim]` (the model's rotary embedding at each row's position); queries and keys are
-    rotated after the per-head norm (`q_norm_weight`/`k_norm_weight`, Qwen3) where the model has one. With
+    rotated after the per-head norm (`q_norm_weight`/`k_norm_weight` with their own `q_norm_eps`/`k_norm_eps`,
+    Qwen3) where the model has one. With
     `key_pool`/`value_pool` (`[pages, page_size, Hkv, head_dim]`) the keys and values are also written to them at
     flat rows `pool_rows` `[M]`, as `kernels.write_kv` writes them (the cache's K/V write, fused).
     """
@@ -82,8 +84,8 @@ def norm_qkv_rope(
             out = out + bias.float()
         return out.view(rows, -1, head_dim)
 
-    q = _rotate(_head_norm(project(q_weight, q_bias), q_norm_weight, head_norm_eps), cos, sin)
-    k = _rotate(_head_norm(project(k_weight, k_bias), k_norm_weight, head_norm_eps), cos, sin)
+    q = _rotate(_head_norm(project(q_weight, q_bias), q_norm_weight, q_norm_eps), cos, sin)
+    k = _rotate(_head_norm(project(k_weight, k_bias), k_norm_weight, k_norm_eps), cos, sin)
     v = project(v_weight, v_bias)
     out = torch.cat([q, k, v], dim=1).to(x.dtype)
     if key_pool is not None:

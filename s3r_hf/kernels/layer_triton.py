@@ -271,7 +271,7 @@ def _store_pool_head(pool_ptr, pool_rows, kv_head, dims, low, high, row_ok, stri
 def _norm_qkv_rope_kernel(
     x_ptr, norm_ptr, qw_ptr, kw_ptr, vw_ptr, qb_ptr, kb_ptr, vb_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, out_ptr,
     key_pool_ptr, value_pool_ptr, pool_rows_ptr, partials_ptr, counts_ptr, M, K, BLOCKS_PER_SPLIT, stride_xm,
-    stride_cm, stride_om, stride_oh, stride_pool_row, stride_pool_h, eps, head_eps,
+    stride_cm, stride_om, stride_oh, stride_pool_row, stride_pool_h, eps, q_head_eps, k_head_eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCKS: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_NORM: tl.constexpr,
     WRITE_KV: tl.constexpr, PRECISION: tl.constexpr,
@@ -288,6 +288,7 @@ def _norm_qkv_rope_kernel(
         weight, bias, head_norm = (
             vw_ptr + (head - HQ - HKV) * 2 * HALF * K, vb_ptr + (head - HQ - HKV) * 2 * HALF, kn_ptr
         )
+    head_eps = tl.where(head < HQ, q_head_eps, k_head_eps)  # the model's q_norm and k_norm each have their own
     rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, NORM_BLOCKS)
     inputs = _qkv_epilogue_inputs(rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin_ptr, pool_rows_ptr,
                                   stride_cm, HQ, HKV, HALF, HAS_BIAS, HEAD_NORM, WRITE_KV)
@@ -330,7 +331,8 @@ def norm_qkv_rope(
     head_dim: int,
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
-    head_norm_eps: float = 1e-6,
+    q_norm_eps: float = 1e-6,
+    k_norm_eps: float = 1e-6,
     key_pool: torch.Tensor | None = None,
     value_pool: torch.Tensor | None = None,
     pool_rows: torch.Tensor | None = None,
@@ -361,7 +363,7 @@ def norm_qkv_rope(
         key_pool if write_kv else out, value_pool if write_kv else out, pool_rows if write_kv else counts,
         partials, counts, rows, hidden, blocks_per_split, x.stride(0), cos.stride(0),
         out.stride(0), out.stride(1), key_pool.stride(1) if write_kv else 0, key_pool.stride(2) if write_kv else 0,
-        eps, head_norm_eps,
+        eps, q_norm_eps, k_norm_eps,
         HQ=num_heads, HKV=num_kv_heads, HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_K=block_k,
         NORM_BLOCKS=_norm_blocks(hidden, block_k), SPLITS=splits, HAS_BIAS=has_bias, HEAD_NORM=head_norm,
         WRITE_KV=write_kv, PRECISION=_dot_precision(x.dtype), num_warps=warps, num_stages=stages,
