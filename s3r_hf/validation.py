@@ -55,6 +55,32 @@ def check_model_supported(model: PreTrainedModel) -> None:
     for attribute in ("attention_chunk_size", "sliding_window_pattern"):
         if getattr(config, attribute, None):
             raise UnsupportedModelError(f"{name}: {attribute} attention is not supported by S3R")
+    check_attention_implementation(model)
+
+
+def check_attention_implementation(model: PreTrainedModel) -> None:
+    """Raise `UnsupportedModelError` if the model's attention implementation is not one of transformers' own.
+
+    S3R replaces the attention function with its own kernels, which compute what transformers' eager, SDPA, flash
+    and flex implementations compute. A function a user registered with `AttentionInterface` may compute
+    something else, and S3R would bypass it without a word.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    names = {getattr(config, "_attn_implementation", None) for config in (model.config, text_config(model))}
+    for implementation in names:
+        if not isinstance(implementation, str) or implementation == "eager":
+            continue
+        function = ALL_ATTENTION_FUNCTIONS.get(implementation)
+        function = getattr(function, "func", function)  # a hub kernel is registered as a partial of transformers'
+        module = getattr(function, "__module__", None) or ""
+        if not module.startswith(("transformers.", "s3r_hf.")):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: attention implementation {implementation!r} "
+                f"({module}.{getattr(function, '__qualname__', function)}) is not one of transformers' own; S3R runs "
+                "attention with its own kernels and would bypass it. Use one of transformers' implementations, "
+                "e.g. model.set_attn_implementation('sdpa')"
+            )
 
 
 def check_generation_config(generation_config: GenerationConfig) -> None:

@@ -203,6 +203,34 @@ def test_inputs_embeds_are_refused_by_name():
         model.generate(inputs_embeds=embeds, attention_mask=attention_mask, max_new_tokens=5, s3r_config=CONFIG)
 
 
+@pytest.mark.parametrize("how", ["set_attn_implementation", "config"])
+def test_an_attention_implementation_of_the_users_own_is_refused_by_name(how):
+    """S3R runs attention with its own kernels: a function registered with `AttentionInterface` would be bypassed,
+    and the output silently differ from dense. Refused by name; transformers' own implementations are not."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def scaled_sdpa(module, query, key, value, attention_mask, **kwargs):
+        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return out * 3.0 - 1.0, weights
+
+    AttentionInterface.register("scaled_sdpa_for_test", scaled_sdpa)
+    try:
+        model, input_ids, attention_mask = _model_and_batch(87)
+        kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+        if how == "config":
+            model.config._attn_implementation = "scaled_sdpa_for_test"
+        else:
+            model.set_attn_implementation("scaled_sdpa_for_test")
+        refusal = "attention implementation 'scaled_sdpa_for_test'.*set_attn_implementation"
+        with pytest.raises(ValueError, match=refusal):
+            model.generate(input_ids, **kwargs, s3r_config=CONFIG)
+        model.set_attn_implementation("eager")
+        assert torch.equal(model.generate(input_ids, **kwargs, s3r_config=CONFIG), model.generate(input_ids, **kwargs))
+    finally:
+        AttentionInterface._global_mapping.pop("scaled_sdpa_for_test", None)
+
+
 @pytest.mark.parametrize("route", ["enable", "assisted_generate"])
 def test_a_filled_cache_is_refused_and_an_empty_one_is_not(route):
     """S3R prefills input_ids in its own cache: a `past_key_values` that already holds positions would be ignored
