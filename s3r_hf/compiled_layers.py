@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.nn.modules import module as module_hooks
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -52,6 +53,13 @@ def check_no_hooks_in_layers(model: PreTrainedModel, option: str) -> None:
     run as modules: fused projections replace the Q/K/V and gate/up linears, fused layers call none of their parts,
     and a compiled layer traced before a hook was added keeps running without it. Hooks on a layer itself (FSDP2
     registers its own there) run around the replaced forward and are kept."""
+    # Hooks registered for every module (`register_module_forward_hook`, `..._pre_hook`) reach the parts too.
+    if module_hooks._global_forward_pre_hooks or module_hooks._global_forward_hooks:
+        raise ValueError(
+            f"S3RConfig({option}=True) does not run forward hooks inside decoder layers, and a global module forward "
+            "hook is registered (torch.nn.modules.module.register_module_forward_hook or _pre_hook); remove it, or "
+            f"generate with {option}=False"
+        )
     names = {module: name for name, module in model.named_modules()}
     for layer in decoder_layers(model):
         for module in layer.modules():

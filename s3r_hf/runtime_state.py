@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.modules import module as module_hooks
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
@@ -252,7 +253,11 @@ def _fingerprint(model: torch.nn.Module) -> tuple:
         (name, id(module), _hook_kinds(module._forward_pre_hooks), _hook_kinds(module._forward_hooks))
         for name, module in model.named_modules()
     )
-    return tensors, modules
+    # Hooks registered for every module (`torch.nn.modules.module.register_module_forward_hook`) run in the
+    # forwards a graph captures as much as a module's own.
+    global_hooks = tuple(_hook_kinds(hooks) for hooks in (
+        module_hooks._global_forward_pre_hooks, module_hooks._global_forward_hooks))
+    return tensors, modules, global_hooks
 
 
 def _hook_kinds(hooks: dict) -> frozenset:

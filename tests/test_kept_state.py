@@ -159,6 +159,45 @@ def test_a_hook_added_between_calls_rebuilds_the_kept_state():
     s3r_hf.release(model)
 
 
+def test_a_global_module_hook_added_between_calls_rebuilds_the_kept_state():
+    """A hook registered for every module runs in the forwards a CUDA graph captures, as a module's own does: the
+    kept graphs must go when one is added."""
+    model = s3r_hf.enable(tiny_model("llama", seed=57).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=58)
+    _greedy(model, input_ids, attention_mask, _config())
+    pool = runtime_for(model).cache
+
+    def doubled_mlps(module, args, output):
+        return output * 2.0 if type(module).__name__.endswith("MLP") else None
+
+    handle = torch.nn.modules.module.register_module_forward_hook(doubled_mlps)
+    try:
+        dense = _greedy(model, input_ids, attention_mask)
+        out = _greedy(model, input_ids, attention_mask, _config())
+    finally:
+        handle.remove()
+    assert runtime_for(model).cache is not pool
+    assert torch.equal(out, dense)
+    s3r_hf.release(model)
+
+
+@pytest.mark.parametrize("option", ["compile_layers", "fused_layers"])
+@pytest.mark.parametrize("when", ["pre", "post"])
+def test_global_module_hooks_are_refused_with_compiled_or_fused_layers(option, when):
+    """Hooks registered for every module reach the parts of a decoder layer, which compiled and fused layers do not
+    run as modules: refused, as a hook on one of those parts is (they were silently skipped)."""
+    model = s3r_hf.enable(tiny_model("llama", seed=59).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=60)
+    register = getattr(torch.nn.modules.module, f"register_module_forward{'_pre' if when == 'pre' else ''}_hook")
+    handle = register(lambda module, *args: None)
+    try:
+        with pytest.raises(ValueError, match=rf"{option}=True.*global module forward hook"):
+            _greedy(model, input_ids, attention_mask, _config(**{option: True}))
+    finally:
+        handle.remove()
+    s3r_hf.release(model)
+
+
 @pytest.mark.parametrize("option", ["compile_layers", "fused_layers"])
 def test_hooks_inside_decoder_layers_are_refused_with_compiled_or_fused_layers(option):
     """Compiled layers replace the Q/K/V and gate/up linears by fused slices and fused layers call none of a layer's
