@@ -264,7 +264,27 @@ def _hook_kinds(hooks: dict) -> frozenset:
     """The distinct functions among a module's hooks. Not their handles or count: TRL turns gradient checkpointing on
     around every rollout, and transformers then registers its `make_inputs_require_grads` hook on the embeddings again
     without removing the last one, so those change at every step while what the forward computes does not."""
-    return frozenset(getattr(hook, "__code__", None) or type(hook) for hook in hooks.values())
+    return frozenset(_hook_identity(hook) for hook in hooks.values())
+
+
+def _hook_identity(hook) -> tuple:
+    """A function by its code and what its closure holds: hooks a factory makes share their code and differ only in
+    the values they close over (a scale, a mask), which a captured graph bakes in. Any other callable (a bound
+    method, a `functools.partial`) by the object itself."""
+    code = getattr(hook, "__code__", None)
+    if code is None:
+        return ("object", id(hook))
+    return ("function", code, tuple(_cell_identity(cell) for cell in hook.__closure__ or ()))
+
+
+def _cell_identity(cell) -> tuple:
+    try:
+        value = cell.cell_contents
+    except ValueError:  # a cell not yet filled
+        return ("empty",)
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return ("value", type(value), value)
+    return ("object", id(value))
 
 
 _lock = threading.Lock()

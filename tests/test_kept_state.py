@@ -159,6 +159,29 @@ def test_a_hook_added_between_calls_rebuilds_the_kept_state():
     s3r_hf.release(model)
 
 
+def test_a_hook_from_the_same_factory_with_other_values_rebuilds_the_kept_state():
+    """Hooks made by one factory share their code; a graph bakes in the values they close over, so a hook that
+    replaces another of the same code but a different scale must drop the kept graphs too."""
+    model = s3r_hf.enable(tiny_model("llama", seed=61).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=62)
+
+    def scaled(factor: float):
+        return lambda module, args, output: output * factor
+
+    mlp = model.model.layers[1].mlp
+    handle = mlp.register_forward_hook(scaled(2.0))
+    _greedy(model, input_ids, attention_mask, _config())
+    pool = runtime_for(model).cache
+    handle.remove()
+    handle = mlp.register_forward_hook(scaled(-3.0))
+    dense = _greedy(model, input_ids, attention_mask)
+    out = _greedy(model, input_ids, attention_mask, _config())
+    handle.remove()
+    assert runtime_for(model).cache is not pool
+    assert torch.equal(out, dense)
+    s3r_hf.release(model)
+
+
 def test_a_global_module_hook_added_between_calls_rebuilds_the_kept_state():
     """A hook registered for every module runs in the forwards a CUDA graph captures, as a module's own does: the
     kept graphs must go when one is added."""
