@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from datasets import Dataset
 from transformers import LlamaForCausalLM
 
 import s3r_hf
+from s3r_hf import S3RConfig
 from s3r_hf.runtime_state import runtime_for
 from tests.conftest import WORDS, tiny_tokenizer, word_model
 from trl_integration import S3RGRPOConfig, S3RGRPOTrainer
@@ -37,8 +39,8 @@ def make_trainer(
     overrides.setdefault("max_steps", 2)
     overrides.setdefault("use_cpu", True)
     args = S3RGRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=10,
-        learning_rate=1e-2, logging_steps=1, report_to="none", save_strategy="no",
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=overrides.pop("max_completion_length", 10), learning_rate=1e-2, logging_steps=1, report_to="none", save_strategy="no",
         seed=seed, temperature=1.0, dataloader_num_workers=0, bf16=False,
         s3r_config={"draft_len": 3, "budget_ratio": 0.1, "min_budget": 2, "page_size": 4, "seed": seed,
                     **(s3r_options or {})},
@@ -72,10 +74,10 @@ def test_two_grpo_steps_with_s3r_rollouts_log_s3r_metrics(tmp_path, monkeypatch)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     pools = _count_pools(monkeypatch)
     trainer.train()
-    # The second step's rollout reused the first's KV pool (`keep_rollout_state`), across the optimizer step.
+    # The second step's rollout reused the first's KV pool (`keep_rollout_state`), across the optimizer step, and
+    # the pool was freed when training ended.
     assert len(pools) == 1
-    assert runtime_for(trainer.model).cache is not None
-    s3r_hf.release(trainer.model)
+    assert runtime_for(trainer.model).cache is None
     logs = [entry for entry in trainer.state.log_history if "s3r/acceptance_rate" in entry]
     assert len(logs) == 2, trainer.state.log_history
     for entry in logs:
@@ -149,6 +151,26 @@ def test_config_errors_name_the_problem(tmp_path):
         S3RGRPOConfig(output_dir=str(tmp_path), s3r_config="{draft_len: 3", use_cpu=True)
     with pytest.raises(ValueError, match="s3r_rollout_mode must be one of"):
         S3RGRPOConfig(output_dir=str(tmp_path), s3r_rollout_mode="fast", use_cpu=True)
+    for name in ("use_s3r", "keep_rollout_state"):
+        for value in ("false", None, 0):  # "false" would turn S3R on, None off: neither says what was meant
+            with pytest.raises(ValueError, match=rf"S3RGRPOConfig.{name} must be True or False"):
+                S3RGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{name: value})
+    with pytest.raises(ValueError, match="s3r_config.return_logprobs"):  # it was dropped without a word
+        S3RGRPOConfig(output_dir=str(tmp_path), s3r_config={"return_logprobs": True}, use_cpu=True)
+
+
+def test_an_s3r_config_object_is_kept_as_json_arguments(tmp_path):
+    args = S3RGRPOConfig(output_dir=str(tmp_path), s3r_config=S3RConfig(draft_len=4, seed=3), use_cpu=True)
+    assert args.resolved_s3r_config() == S3RConfig(draft_len=4, seed=3)
+    assert json.loads(args.to_json_string())["s3r_config"]["draft_len"] == 4
+
+
+def test_completions_past_the_context_window_are_refused_before_training(tmp_path):
+    """S3R refuses positions past `max_position_embeddings`: a `max_completion_length` that leaves no room for a
+    prompt failed at the first rollout, naming `max_new_tokens`; now the trainer refuses it, naming its own field."""
+    window = tiny_policy().config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"max_completion_length={window}.*context window of {window}"):
+        make_trainer(tmp_path, max_completion_length=window)
 
 
 def test_a_rollout_func_is_refused_with_s3r_and_runs_without(tmp_path):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from trl import GRPOConfig
@@ -21,8 +21,9 @@ class S3RGRPOConfig(GRPOConfig):
     Args:
         use_s3r (`bool`, defaults to `True`):
             Generate every rollout with S3R from the current policy; `False` falls back to TRL's own generation.
-        s3r_config (`dict` or `str`, *optional*):
-            `S3RConfig` fields, as a dict or a JSON string (command lines); `None` uses the paper's defaults.
+        s3r_config (`dict`, `str` or `S3RConfig`, *optional*):
+            `S3RConfig` fields, as a dict, a JSON string (command lines) or an `S3RConfig` (kept as its dict);
+            `None` uses the paper's defaults.
         s3r_rollout_mode (`str`, defaults to `"s3r"`):
             `"s3r"` drafts and verifies; `"ar"` decodes densely in the same engine (same kernels, KV pool, CUDA graphs
             and compiled layers, no drafting), a baseline that separates what the engine gains over TRL's generation
@@ -33,7 +34,7 @@ class S3RGRPOConfig(GRPOConfig):
             during the optimizer step: the pool holds every rollout sequence at full length (capped by
             `kv_memory_fraction` of the free memory), plus the graphs' scratch and, with compiled layers, a copy of
             the Q/K/V and gate/up weights. `False` (or `keep_state: false` in `s3r_config`) frees them when each
-            rollout returns.
+            rollout returns. Either way they are freed when `train()` returns.
     """
 
     use_s3r: bool = field(
@@ -58,10 +59,21 @@ class S3RGRPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for name in ("use_s3r", "keep_rollout_state"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # "false" would be truthy, None falsy: neither says what was meant
+                raise ValueError(f"S3RGRPOConfig.{name} must be True or False, got {value!r}")
+        if isinstance(self.s3r_config, S3RConfig):  # kept as a dict, so the arguments stay JSON (`to_json_string`)
+            self.s3r_config = asdict(self.s3r_config)
         if self.s3r_rollout_mode not in ROLLOUT_MODES:
             raise ValueError(f"s3r_rollout_mode must be one of {list(ROLLOUT_MODES)}, got {self.s3r_rollout_mode!r}")
         if self.use_s3r:
-            self.resolved_s3r_config()  # invalid fields fail here, before any model is loaded
+            resolved = self.resolved_s3r_config()  # invalid fields fail here, before any model is loaded
+            if resolved.return_logprobs:
+                raise ValueError(
+                    "s3r_config.return_logprobs: S3RGRPOTrainer returns no sampling log-probs, as TRL's own "
+                    "transformers generation returns none (TRL computes the policy's log-probs itself); leave it False"
+                )
             if self.use_vllm:
                 raise ValueError("use_s3r and use_vllm both pick the rollout engine; set one of them to False")
             if getattr(self, "use_transformers_continuous_batching", False):
