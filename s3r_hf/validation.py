@@ -58,11 +58,20 @@ def check_model_supported(model: PreTrainedModel) -> None:
     check_attention_implementation(model)
 
 
+# Where transformers' attention functions that compute full softmax attention live (what S3R's kernels compute). A
+# function registered from anywhere else (a user's own, a hub kernel's own entry point, transformers' block-sparse
+# `msa_attention`) may compute something else.
+_DENSE_ATTENTION_MODULES = tuple(
+    f"transformers.integrations.{name}"
+    for name in ("sdpa_attention", "flash_attention", "flex_attention", "eager_paged", "sdpa_paged", "flash_paged")
+)
+
+
 def check_attention_implementation(model: PreTrainedModel) -> None:
     """Raise `UnsupportedModelError` if the model's attention implementation is not one of transformers' own.
 
     S3R replaces the attention function with its own kernels, which compute what transformers' eager, SDPA, flash
-    and flex implementations compute. A function a user registered with `AttentionInterface` may compute
+    and flex implementations compute. A function registered with `AttentionInterface` from elsewhere may compute
     something else, and S3R would bypass it without a word.
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -74,11 +83,11 @@ def check_attention_implementation(model: PreTrainedModel) -> None:
         function = ALL_ATTENTION_FUNCTIONS.get(implementation)
         function = getattr(function, "func", function)  # a hub kernel is registered as a partial of transformers'
         module = getattr(function, "__module__", None) or ""
-        if not module.startswith(("transformers.", "s3r_hf.")):
+        if module not in _DENSE_ATTENTION_MODULES and not module.startswith("s3r_hf."):
             raise UnsupportedModelError(
                 f"{type(model).__name__}: attention implementation {implementation!r} "
-                f"({module}.{getattr(function, '__qualname__', function)}) is not one of transformers' own; S3R runs "
-                "attention with its own kernels and would bypass it. Use one of transformers' implementations, "
+                f"({module}.{getattr(function, '__qualname__', function)}) is not one of transformers' full-attention "
+                "implementations; S3R runs attention with its own kernels and would bypass it. Use one of them, "
                 "e.g. model.set_attn_implementation('sdpa')"
             )
 

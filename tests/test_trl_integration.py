@@ -40,7 +40,8 @@ def make_trainer(
     overrides.setdefault("use_cpu", True)
     args = S3RGRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=overrides.pop("max_completion_length", 10), learning_rate=1e-2, logging_steps=1, report_to="none", save_strategy="no",
+        max_completion_length=overrides.pop("max_completion_length", 10), learning_rate=1e-2, logging_steps=1,
+        report_to="none", save_strategy="no",
         seed=seed, temperature=1.0, dataloader_num_workers=0, bf16=False,
         s3r_config={"draft_len": 3, "budget_ratio": 0.1, "min_budget": 2, "page_size": 4, "seed": seed,
                     **(s3r_options or {})},
