@@ -324,6 +324,16 @@ def release(model: torch.nn.Module) -> None:
         runtime.drop_device_state()
 
 
+def free_device_state(model: torch.nn.Module) -> None:
+    """Free the KV pool, CUDA graphs and fused weights kept for `model`, and keep what costs no device memory: the
+    draft-length rule's measurements and the count of calls per fixed seed (the next call builds device state
+    again; a seeded run's streams go on as without it)."""
+    with _lock:
+        runtime = _runtimes.get(model)
+    if runtime is not None:
+        runtime.drop_device_state()
+
+
 @contextlib.contextmanager
 def kept_state(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, S3R calls on `model` share one runtime; it is released when the block exits."""

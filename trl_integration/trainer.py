@@ -13,7 +13,7 @@ from trl import GRPOTrainer
 from s3r_hf.config import S3RConfig
 from s3r_hf.errors import ContextWindowError
 from s3r_hf.generate import generate as s3r_generate
-from s3r_hf.runtime_state import release
+from s3r_hf.runtime_state import free_device_state
 from s3r_hf.sharding import gathered_parameters
 from s3r_hf.stats import S3RStats
 from s3r_hf.validation import check_model_supported, context_window, model_dropout
@@ -141,12 +141,12 @@ class S3RGRPOTrainer(GRPOTrainer):
 
     def train(self, *args, **kwargs):
         """TRL's `train`; then S3R's kept KV pool, graphs and fused weights are freed (`keep_rollout_state` keeps them
-        from one rollout to the next, not past training)."""
+        from one rollout to the next, not past training). What the draft-length rule measured stays with the model."""
         try:
             return super().train(*args, **kwargs)
         finally:
             if self.s3r_config is not None:
-                release(self.accelerator.unwrap_model(self.model))
+                free_device_state(self.accelerator.unwrap_model(self.model))
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         multimodal = bool(multimodal_fields) or (images is not None and any(images))
