@@ -40,6 +40,14 @@ def _greedy(model, input_ids, attention_mask, config=None, max_new_tokens=16):
                           s3r_config=config)
 
 
+def _rebuilt_and_dense(model, input_ids, attention_mask, pool, config=None) -> None:
+    """The next S3R call made a new kept pool (the state was rebuilt) and decodes as dense does now."""
+    dense = _greedy(model, input_ids, attention_mask)
+    out = _greedy(model, input_ids, attention_mask, config if config is not None else _config())
+    assert runtime_for(model).cache is not pool
+    assert torch.equal(out, dense)
+
+
 def test_a_second_call_reuses_the_kv_pool_and_stays_exact():
     model = s3r_hf.enable(tiny_model("qwen3", seed=40).to(DEVICE))
     input_ids, attention_mask = _batch()
@@ -134,11 +142,8 @@ def test_a_module_swapped_in_between_calls_rebuilds_the_kept_state(compile_layer
     pool = runtime_for(model).cache
     attention = model.model.layers[0].self_attn
     attention.q_proj = wrapper = _Scaled(attention.q_proj, 3.0)
-    dense = _greedy(model, input_ids, attention_mask)
-    out = _greedy(model, input_ids, attention_mask, config)
-    assert runtime_for(model).cache is not pool
+    _rebuilt_and_dense(model, input_ids, attention_mask, pool, config)
     assert attention.q_proj is wrapper
-    assert torch.equal(out, dense)
     s3r_hf.release(model)
 
 
@@ -150,10 +155,7 @@ def test_a_hook_added_between_calls_rebuilds_the_kept_state():
     _greedy(model, input_ids, attention_mask, _config())
     pool = runtime_for(model).cache
     handle = model.model.layers[1].mlp.register_forward_hook(lambda module, args, output: output * 2.0)
-    dense = _greedy(model, input_ids, attention_mask)
-    out = _greedy(model, input_ids, attention_mask, _config())
-    assert runtime_for(model).cache is not pool
-    assert torch.equal(out, dense)
+    _rebuilt_and_dense(model, input_ids, attention_mask, pool)
     handle.remove()
     assert torch.equal(_greedy(model, input_ids, attention_mask, _config()), _greedy(model, input_ids, attention_mask))
     s3r_hf.release(model)
@@ -174,11 +176,8 @@ def test_a_hook_from_the_same_factory_with_other_values_rebuilds_the_kept_state(
     pool = runtime_for(model).cache
     handle.remove()
     handle = mlp.register_forward_hook(scaled(-3.0))
-    dense = _greedy(model, input_ids, attention_mask)
-    out = _greedy(model, input_ids, attention_mask, _config())
+    _rebuilt_and_dense(model, input_ids, attention_mask, pool)
     handle.remove()
-    assert runtime_for(model).cache is not pool
-    assert torch.equal(out, dense)
     s3r_hf.release(model)
 
 
@@ -195,12 +194,9 @@ def test_a_global_module_hook_added_between_calls_rebuilds_the_kept_state():
 
     handle = torch.nn.modules.module.register_module_forward_hook(doubled_mlps)
     try:
-        dense = _greedy(model, input_ids, attention_mask)
-        out = _greedy(model, input_ids, attention_mask, _config())
+        _rebuilt_and_dense(model, input_ids, attention_mask, pool)
     finally:
         handle.remove()
-    assert runtime_for(model).cache is not pool
-    assert torch.equal(out, dense)
     s3r_hf.release(model)
 
 
