@@ -31,8 +31,10 @@ first gets there. A padding row costs a one-request step nothing measurable (bot
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -458,13 +460,32 @@ class DecodeGraphs:
 
 def capture_graph(program: Callable) -> tuple[torch.cuda.CUDAGraph, Any]:
     """`(graph, outputs)` of `program()` captured as a CUDA graph, after one warm-up run on a side stream (Triton
-    kernels and compiled layers compile there, the allocator settles) so the capture records only replayable work."""
+    kernels and compiled layers compile there, the allocator settles) so the capture records only replayable work.
+
+    Python's cyclic garbage collector is off during the capture. A collection there frees whatever unreachable
+    cycles hold, the caller's and other libraries' objects included; freeing a pinned host tensor that an
+    asynchronous copy used records a CUDA event on that copy's stream, and on the default stream that operation
+    invalidates the capture. Whether a collection starts inside the capture depends on allocation counts, so the
+    failure would come and go; the garbage is collected after the capture instead.
+    """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         program()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with garbage_collection_paused(), torch.cuda.graph(graph):
         outputs = program()
     return graph, outputs
+
+
+@contextlib.contextmanager
+def garbage_collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside the block, as it was before after it."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
