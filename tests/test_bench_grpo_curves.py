@@ -48,8 +48,8 @@ def test_two_steps_per_mode_and_seed_on_arithmetic_give_records_and_the_plot(tin
     for result in results:
         assert [row["step"] for row in result["steps"]] == [1, 2]
         for row in result["steps"]:
-            assert {"reward", "mean_length", "step_seconds", "generate_seconds"} <= row.keys()
-            assert row["step_seconds"] > 0 and row["generate_seconds"] > 0
+            assert {"reward", "mean_length", "step_seconds", "generate_seconds", "gc_seconds"} <= row.keys()
+            assert row["step_seconds"] > 0 and row["generate_seconds"] > 0 and row["gc_seconds"] >= 0
         assert result["summary"]["steps"] == 2
     assert all("tau" in row for result in results if result["mode"] == "s3r" for row in result["steps"])
     # The adaptive rule's per-bucket record comes with each S3R run (the rollouts of all its steps).

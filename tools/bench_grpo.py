@@ -41,6 +41,7 @@ merges runs made one mode at a time.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -77,6 +78,7 @@ STEP_KEYS = {
     "step_time": "step_seconds",
     "bench/generate_seconds": "generate_seconds",
     "bench/completion_tokens": "completion_tokens",
+    "bench/gc_seconds": "gc_seconds",
     "bench/sequences": "sequences",
     "bench/paired_ar_generate_seconds": "paired_ar_generate_seconds",
     "bench/paired_ar_completion_tokens": "paired_ar_completion_tokens",
@@ -282,13 +284,28 @@ def _trainer_classes() -> tuple[type, type]:
 
         The first `min_steps` steps always run (the second is the first warm one); after that, training stops
         when the time spent plus the duration of the last step would exceed the budget. `on_record` receives
-        each step's record as soon as it is logged (the child process saves partial results with it).
+        each step's record as soon as it is logged (the child process saves partial results with it). Each
+        step also records the seconds Python's cyclic garbage collector ran in it (`bench/gc_seconds`): a full
+        collection in a process holding a model, a tokenizer and a dataset is one source of step-to-step spread.
         """
 
         def __init__(self, mode: str, budget: float | None, min_steps: int,
                      on_record: Callable[[dict[str, Any]], None] | None = None) -> None:
             self.mode, self.budget, self.min_steps, self.on_record = mode, budget, min_steps, on_record
             self.started = self.last_end = time.perf_counter()
+            self.gc_seconds, self._gc_started = 0.0, None
+            gc.callbacks.append(self._time_collection)
+
+        def _time_collection(self, phase: str, info: dict) -> None:
+            if phase == "start":
+                self._gc_started = time.perf_counter()
+            elif self._gc_started is not None:
+                self.gc_seconds += time.perf_counter() - self._gc_started
+                self._gc_started = None
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self._time_collection in gc.callbacks:
+                gc.callbacks.remove(self._time_collection)
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.started = self.last_end = time.perf_counter()
@@ -307,9 +324,14 @@ def _trainer_classes() -> tuple[type, type]:
             logs = logs or {}
             if "step_time" not in logs:
                 return
+            if state.log_history and state.log_history[-1].get("step_time") == logs["step_time"]:
+                logs = state.log_history[-1]  # what the run's records are read from at its end
+            logs["bench/gc_seconds"], self.gc_seconds = self.gc_seconds, 0.0
             parts = [f"[{self.mode}] step {state.global_step}", f"step {logs['step_time']:.2f}s"]
             if "bench/generate_seconds" in logs:
                 parts.append(f"gen {logs['bench/generate_seconds']:.2f}s")
+                parts.append(f"rest {logs['step_time'] - logs['bench/generate_seconds']:.2f}s")
+            parts.append(f"gc {logs['bench/gc_seconds']:.2f}s")
             if "bench/completion_tokens" in logs:
                 parts.append(f"{logs['bench/completion_tokens']:.0f} tok")
             parts.append(f"reward {logs.get('reward', float('nan')):.3f}")
