@@ -133,15 +133,34 @@ def test_engine_ar_rollouts_equal_trl_generation_and_draft_nothing(tmp_path):
 # compile_layers: the second step's rollouts run compiled layers (compiled in the first) on updated weights.
 @pytest.mark.parametrize("compile_layers", [False, True])
 def test_training_is_unchanged_by_s3r_except_through_the_samples(tmp_path, compile_layers):
-    # With top_k=1 the samples are deterministic, so S3R and TRL's own generation must train identically (in
-    # fp32: under GRPOConfig's default bf16 autocast, packed and padded batches round differently).
-    s3r = make_trainer(tmp_path / "s3r", top_k=1, max_steps=2, s3r_options={"compile_layers": compile_layers})
-    trl = make_trainer(tmp_path / "trl", top_k=1, use_s3r=False, max_steps=2)
+    """TRL's own trainer, handed the completions S3R sampled (at T=1, so groups differ and the weights move) and the
+    random state S3R's sampling left, trains to the same weights and losses: S3R changes the step only through its
+    samples (in fp32: under GRPOConfig's default bf16 autocast, packed and padded batches round differently)."""
+    s3r = make_trainer(tmp_path / "s3r", max_steps=2, s3r_options={"compile_layers": compile_layers})
+    trl = make_trainer(tmp_path / "trl", use_s3r=False, max_steps=2)
+    sampled = []
+    generate = s3r._generate_single_turn
+
+    def recording(*args, **kwargs):
+        result = generate(*args, **kwargs)
+        sampled.append((result, torch.get_rng_state()))
+        return result
+
+    def replaying(*args, **kwargs):
+        result, rng_state = sampled.pop(0)
+        torch.set_rng_state(rng_state)
+        return result
+
+    s3r._generate_single_turn, trl._generate_single_turn = recording, replaying
+    before = [p.detach().clone() for p in s3r.model.parameters()]
     s3r.train()
     trl.train()
+    assert len(sampled) == 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, s3r.model.parameters())), "no optimizer step"
     for ours, theirs in zip(s3r.model.parameters(), trl.model.parameters()):
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
     losses = lambda t: [e["loss"] for e in t.state.log_history if "loss" in e]  # noqa: E731
+    assert any(loss != 0 for loss in losses(s3r))
     assert losses(s3r) == pytest.approx(losses(trl), abs=1e-6)
 
 
