@@ -27,6 +27,7 @@ import torch
 from torch.nn.modules import module as module_hooks
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import output_capturing
 
 from s3r_hf.fused_projections import FusedProjections, MergeIdenticalGemms
 from s3r_hf.model_session import owns
@@ -52,7 +53,8 @@ def check_no_hooks_in_layers(model: PreTrainedModel, option: str) -> None:
     """Refuse forward hooks on the modules inside decoder layers, which `option` (compiled or fused layers) does not
     run as modules: fused projections replace the Q/K/V and gate/up linears, fused layers call none of their parts,
     and a compiled layer traced before a hook was added keeps running without it. Hooks on a layer itself (FSDP2
-    registers its own there) run around the replaced forward and are kept."""
+    registers its own there) run around the replaced forward and are kept; transformers' own output-capturing hooks
+    (`is_output_capturing_hook`) are inactive in an S3R call and pass."""
     # Hooks registered for every module (`register_module_forward_hook`, `..._pre_hook`) reach the parts too.
     if module_hooks._global_forward_pre_hooks or module_hooks._global_forward_hooks:
         raise ValueError(
@@ -63,11 +65,21 @@ def check_no_hooks_in_layers(model: PreTrainedModel, option: str) -> None:
     names = {module: name for name, module in model.named_modules()}
     for layer in decoder_layers(model):
         for module in layer.modules():
-            if module is not layer and (module._forward_pre_hooks or module._forward_hooks):
+            hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+            if module is not layer and not all(map(is_output_capturing_hook, hooks)):
                 raise ValueError(
                     f"S3RConfig({option}=True) does not run forward hooks inside decoder layers, and module "
                     f"{names[module]!r} has one; remove it, or generate with {option}=False"
                 )
+
+
+def is_output_capturing_hook(hook: Callable) -> bool:
+    """Whether `hook` is one transformers installs on a model's modules the first time a forward asks for hidden
+    states or attentions (`transformers.utils.output_capturing`). It records only while such a forward runs, and
+    S3R refuses those outputs, so an S3R forward that skips it loses nothing."""
+    return getattr(hook, "__module__", None) == output_capturing.__name__ and (
+        getattr(hook, "__name__", None) == "output_capturing_hook"
+    )
 
 
 def fused_projections_for(model: PreTrainedModel) -> FusedProjections:

@@ -234,6 +234,26 @@ def test_hooks_inside_decoder_layers_are_refused_with_compiled_or_fused_layers(o
     s3r_hf.release(model)
 
 
+@pytest.mark.parametrize("option", ["compile_layers", "fused_layers"])
+def test_transformers_output_capturing_hooks_pass_with_compiled_or_fused_layers(option):
+    """A forward asking for hidden states or attentions leaves transformers' output-capturing hooks on the layers'
+    modules for good; they record only inside such a forward, so S3R's compiled and fused layers run beside them
+    (they were refused as the user's hooks, with a remedy the user could not apply)."""
+    model = s3r_hf.enable(tiny_model("qwen3", seed=61, head_dim=32).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=62)
+    with torch.no_grad():
+        model(input_ids, attention_mask=attention_mask, output_hidden_states=True, output_attentions=True)
+    attention = model.model.layers[0].self_attn
+    assert attention._forward_hooks, "transformers no longer installs its capturing hooks: this test checks nothing"
+    assert torch.equal(_greedy(model, input_ids, attention_mask, _config(**{option: True})),
+                       _greedy(model, input_ids, attention_mask))
+    handle = attention.register_forward_hook(lambda module, args, output: None)  # beside them, a user's hook
+    with pytest.raises(ValueError, match=rf"{option}=True.*'model.layers.0.self_attn'"):
+        _greedy(model, input_ids, attention_mask, _config(**{option: True}))
+    handle.remove()
+    s3r_hf.release(model)
+
+
 def test_release_and_kept_state_free_the_pool():
     model = s3r_hf.enable(tiny_model("qwen3", seed=47).to(DEVICE))
     input_ids, attention_mask = _batch(seed=48)
