@@ -175,7 +175,7 @@ def assisted_generate(
     streamer = check_generate_call(model, generation_config, logits_processor, model_kwargs, streamer, synced_gpus)
     # transformers' loop ends the streamer when it finishes; until then a refusal or a failure ends it here.
     with streamer_ended_on_error(streamer):
-        prompt_rows(input_ids, model_kwargs.get("attention_mask"))
+        prompt_rows(input_ids, model_kwargs.get("attention_mask"), generation_config.pad_token_id)
         if input_ids.shape[0] != 1:
             raise ValueError(
                 f"assisted decoding runs batch size 1, got {input_ids.shape[0]} rows; use s3r_hf.generate"

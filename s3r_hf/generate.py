@@ -98,7 +98,7 @@ def generate(
                 "returns the sequences tensor only, as it ignores output_scores)"
             )
         attention_mask = model_kwargs.get("attention_mask")
-        prompts = prompt_rows(input_ids, attention_mask)
+        prompts = prompt_rows(input_ids, attention_mask, generation_config.pad_token_id)
         padded_len = input_ids.shape[1]
         eos_ids, max_length = _native_stops(stopping_criteria, generation_config)
         max_new = max(max_length - padded_len, 1)  # dense generates one token before it asks a criterion to stop

@@ -131,8 +131,11 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
                 )
 
 
-def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
-    """Real tokens of each left-padded row; raise `ValueError` for empty rows or padding that is not on the left."""
+def prompt_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int | None = None
+) -> list[torch.Tensor]:
+    """Real tokens of each left-padded row; raise `ValueError` for empty rows or padding that is not on the left.
+    `pad_token_id` (the generation config's) names the likely cause when the padding inside a row is that token."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be 2D (batch, sequence), got shape {tuple(input_ids.shape)}")
     if input_ids.shape[1] == 0:
@@ -149,10 +152,24 @@ def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) ->
         if not bool(row_mask[-count:].all()):
             raise ValueError(
                 f"row {row} of attention_mask is not left-padded; decoder-only generation needs "
-                "padding_side='left' (padding only before the prompt)"
+                "padding_side='left' (padding only before the prompt)" + _pad_inside_prompt(ids, row_mask, pad_token_id)
             )
         rows.append(ids[-count:])
     return rows
+
+
+def _pad_inside_prompt(ids: torch.Tensor, row_mask: torch.Tensor, pad_token_id: int | None) -> str:
+    """The hint for a row whose padding between its tokens is all `pad_token_id`: without an attention mask,
+    transformers builds one from `input_ids != pad_token_id`, so a prompt holding that token gets holes."""
+    real = row_mask.nonzero().flatten()
+    holes = (~row_mask[real[0] : real[-1]]).nonzero().flatten() + real[0]  # between real tokens: not right padding
+    if pad_token_id is None or len(holes) == 0 or not bool((ids[holes] == pad_token_id).all()):
+        return ""
+    return (
+        f". Its masked positions {holes.tolist()[:8]} hold pad_token_id={pad_token_id} inside the prompt: without an "
+        "attention_mask, transformers masks every pad token, so pass attention_mask (ones for every prompt token) "
+        "or use a pad token that prompts do not contain"
+    )
 
 
 def check_attention_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:

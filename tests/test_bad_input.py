@@ -125,6 +125,22 @@ def test_right_padding_is_rejected():
         model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, s3r_config=S3RConfig())
 
 
+def test_a_pad_token_inside_a_prompt_without_a_mask_is_named():
+    """Without an attention_mask, transformers masks every pad token, so a prompt holding one gets a hole: the error
+    says so, not only that the padding is not on the left (the caller padded nothing)."""
+    model = s3r_hf.enable(tiny_model())
+    pad = model.generation_config.pad_token_id
+    input_ids = torch.tensor([[17, 91, 233, pad, 237, 198]])
+    with pytest.raises(ValueError, match=rf"masked positions \[3\] hold pad_token_id={pad} inside the prompt.*pass "
+                                         "attention_mask"):
+        model.generate(input_ids, max_new_tokens=4, s3r_config=S3RConfig())
+    right_padded = torch.tensor([[17, 91, 233, 237, pad, pad]])
+    with pytest.raises(ValueError, match="not left-padded") as refused:  # padding at the end: the plain message
+        model.generate(right_padded, attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0]]), max_new_tokens=4,
+                       s3r_config=S3RConfig())
+    assert "pad_token_id" not in str(refused.value)
+
+
 def test_kv_capacity_too_small_for_one_request():
     model = s3r_hf.enable(tiny_model())
     input_ids, attention_mask = left_padded_batch([30])
