@@ -462,11 +462,11 @@ def capture_graph(program: Callable) -> tuple[torch.cuda.CUDAGraph, Any]:
     """`(graph, outputs)` of `program()` captured as a CUDA graph, after one warm-up run on a side stream (Triton
     kernels and compiled layers compile there, the allocator settles) so the capture records only replayable work.
 
-    Python's cyclic garbage collector is off during the capture. A collection there frees whatever unreachable
-    cycles hold, the caller's and other libraries' objects included; freeing a pinned host tensor that an
-    asynchronous copy used records a CUDA event on that copy's stream, and on the default stream that operation
-    invalidates the capture. Whether a collection starts inside the capture depends on allocation counts, so the
-    failure would come and go; the garbage is collected after the capture instead.
+    Python's cyclic garbage collector is off during the capture. A collection there would run the destructors of
+    whatever unreachable cycles hold (the caller's and other libraries' objects included) inside the capture: CUDA
+    work such as the event that releasing a pinned host tensor records on its copy's stream, which a capture in
+    torch's default "global" mode may refuse. Whether a collection starts inside a capture depends on allocation
+    counts, so such a failure would come and go; the garbage is collected after the capture instead.
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
