@@ -194,6 +194,28 @@ def check_output_path(path: str | None, flag: str) -> None:
         raise UsageError(f"{flag} {path}: not writable")
 
 
+def write_results(path: str, result: dict) -> None:
+    """Write `result` as JSON to `path` (`--json`); a write that fails (a full disk, a device file) is a usage error
+    that names the path, after the tables the run printed."""
+    try:
+        Path(path).expanduser().write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    except OSError as error:
+        raise UsageError(f"--json {path}: the results could not be written ({error.strerror or error})") from error
+
+
+def check_prompt_source(models: list[str], data: str | None, dataset: str | None, acceptance: float | None) -> None:
+    """Prompt and acceptance flags that would be ignored: random-weight shapes take random prompts and only they
+    take a forced acceptance (a real model's acceptance is its own)."""
+    real = [name for name in models if name not in RANDOM_SHAPES]
+    if acceptance is not None and real:
+        raise UsageError(f"--acceptance forces the acceptance of random-weight shapes only; {real[0]} is a real "
+                         "model, whose acceptance is its own")
+    if not real and (data is not None or dataset is not None):
+        flag = "--data" if data is not None else "--dataset"
+        raise UsageError(f"{flag} gives prompts to real models; the random-weight shapes ({', '.join(models)}) take "
+                         "random prompts")
+
+
 def refresh_interval_arg(value: str) -> int | None:
     """`--refresh-interval`: a number of rounds, or "auto" for `S3RConfig.refresh_interval=None`."""
     return None if value.strip() == "auto" else int(value)
@@ -449,6 +471,7 @@ def bench_from_args(args: argparse.Namespace) -> list[dict] | dict:
     args.max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else 128
     if args.max_new_tokens < 2:  # the first new token comes from the prefill: one more is the first decode step
         raise UsageError(f"--max-new-tokens must be at least 2 for the decode grid, got {args.max_new_tokens}")
+    check_prompt_source(args.model or [DEFAULT_MODEL], args.data, args.dataset, args.acceptance)
     if any(name not in RANDOM_SHAPES for name in args.model or [DEFAULT_MODEL]):
         args.texts, args.prompt_source = load_texts(args.data, args.dataset, args.split)
     args.budget = _sweep(args.budget, "--budget", float)
@@ -475,7 +498,7 @@ def bench_from_args(args: argparse.Namespace) -> list[dict] | dict:
     result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "copy_bandwidth_GBps": bandwidth / 1e9, "points": points}
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_results(args.json, result)
     if args.plot:
         plot(points, args.plot)
     return points

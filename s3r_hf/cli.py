@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -63,10 +64,10 @@ def nonnegative_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    """argparse type: a number > 0."""
+    """argparse type: a finite number > 0."""
     value = float(text)
-    if not value > 0.0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    if not 0.0 < value < math.inf:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
@@ -162,7 +163,17 @@ def generate_from_args(args: argparse.Namespace, console: Any = None) -> dict[st
         kwargs.update(s3r_config=config, return_dict_in_generate=True)
     method = "dense" if args.dense else "S3R"
     with console.status(f"Generating ({method}, batch of {len(args.prompt)})"):
-        output, seconds = timed_generate(model, batch, **kwargs)
+        try:
+            output, seconds = timed_generate(model, batch, **kwargs)
+        except RuntimeError as error:
+            # torch.multinomial's refusal of inf/nan probabilities: logits divided by a tiny temperature overflow.
+            if args.temperature is None or "probability tensor contains" not in str(error):
+                raise
+            raise UsageError(
+                f"--temperature {args.temperature:g} is too small: the model's logits divided by it overflow, so "
+                "there is no distribution to sample from; use a larger temperature, or greedy decoding (no "
+                "--do-sample)"
+            ) from error
 
     prompt_len = batch["input_ids"].shape[1]
     new_tokens = output_sequences(output)[:, prompt_len:].cpu()

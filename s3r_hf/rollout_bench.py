@@ -48,7 +48,14 @@ from rich.table import Table
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from s3r_hf.bench import RANDOM_SHAPES, build_model, random_prompts, refresh_interval_arg
+from s3r_hf.bench import (
+    RANDOM_SHAPES,
+    build_model,
+    check_prompt_source,
+    random_prompts,
+    refresh_interval_arg,
+    write_results,
+)
 from s3r_hf.cache.page_allocator import KVCapacityError
 from s3r_hf.config import S3RConfig
 from s3r_hf.demo import build_batch, eos_token_ids, generated_lengths, output_sequences, timed_generate
@@ -113,10 +120,16 @@ def load_records(data: str | None = None, dataset: str | None = None, split: str
     if not path.is_file():
         raise RolloutUsageError(f"--data {data}: no such file")
     try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        reason = f"not UTF-8 text ({error.reason} at byte {error.start})" if isinstance(error, UnicodeDecodeError) \
+            else f"cannot be read ({error.strerror or error})"
+        raise RolloutUsageError(f"--data {data}: {reason}") from error
+    try:
         if path.suffix == ".jsonl":
-            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
         else:
-            records = json.loads(path.read_text())
+            records = json.loads(text)
     except json.JSONDecodeError as error:
         raise RolloutUsageError(f"--data {data}: not valid JSON/JSONL: {error}") from error
     if not isinstance(records, list):
@@ -587,12 +600,11 @@ def rollout_settings(args: argparse.Namespace) -> dict[str, Any]:
         raise RolloutUsageError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     models = args.model or ["smollm2-135m-instruct"]
     real = [m for m in models if m not in RANDOM_SHAPES]
-    if args.acceptance is not None:
-        if real:
-            raise RolloutUsageError(f"--acceptance forces the acceptance of random-weight shapes only; {real[0]} is a "
-                                    "real model, whose acceptance is its own")
-        if not 0.0 <= args.acceptance <= 1.0:
-            raise RolloutUsageError(f"--acceptance must be in [0, 1], got {args.acceptance}")
+    check_prompt_source(models, args.data, args.dataset, args.acceptance)
+    if args.acceptance is not None and not 0.0 <= args.acceptance <= 1.0:
+        raise RolloutUsageError(f"--acceptance must be in [0, 1], got {args.acceptance}")
+    if args.seed < 0:
+        raise RolloutUsageError(f"--seed must be >= 0, got {args.seed}")
     try:
         seqs = [int(v) for v in str(args.seq).split(",") if v.strip()]
     except ValueError:
@@ -639,7 +651,7 @@ def rollout_from_args(args: argparse.Namespace, console: Console | None = None) 
     result = {"device": torch.cuda.get_device_name() if on_cuda else "cpu", "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "settings": shown, "points": points}
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        write_results(args.json, result)
     if args.plot:
         plot(points, args.plot)
     return result

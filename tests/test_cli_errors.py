@@ -188,10 +188,54 @@ def test_fused_layers_on_a_model_they_do_not_fit_is_one_line(capsys: pytest.Capt
     (["--json", "/nonexistent/dir/out.json"], "--json /nonexistent/dir/out.json: the directory /nonexistent/dir does"),
     (["--rollout", "--seq", "x"], "--seq must be positive prompt lengths, got 'x'"),
     (["--rollout", "--plot", "/nonexistent/x.png"], "--plot /nonexistent/x.png: the directory /nonexistent does not"),
+    # Prompt sources for random-weight shapes only, which take random prompts: they were ignored.
+    (["--data", "/nonexistent.json"], "--data gives prompts to real models; the random-weight shapes (qwen3-tiny)"),
+    (["--dataset", "x/y"], "--dataset gives prompts to real models"),
+    (["--rollout", "--data", "/nonexistent.json"], "--data gives prompts to real models"),
+    (["--rollout", "--seed", "-1"], "--seed must be >= 0, got -1"),
 ])
 def test_a_bad_bench_flag_is_one_line_before_anything_runs(flags: list[str], message: str, capsys) -> None:
     err = run_cli(["bench", "--model", "qwen3-tiny", "--device", "cpu", "--dtype", "float32", *flags], capsys)
     assert message in err
+
+
+def test_a_forced_acceptance_on_a_real_model_is_one_line(tiny_checkpoint: Path, capsys) -> None:
+    """The decode grid ran it, timing a non-exact decode of a real model; the rollout bench refused it already."""
+    for rollout in ([], ["--rollout"]):
+        err = run_cli(["bench", "--model", str(tiny_checkpoint), "--device", "cpu", "--acceptance", "0.5", *rollout],
+                      capsys)
+        assert f"{tiny_checkpoint} is a real model, whose acceptance is its own" in err
+
+
+def test_a_data_file_that_is_not_utf8_is_one_line(tmp_path: Path, tiny_checkpoint: Path, capsys) -> None:
+    data = tmp_path / "problems.json"
+    data.write_bytes(b"\xff\xfe\x00garbage")
+    for rollout in ([], ["--rollout"]):
+        err = run_cli(["bench", "--model", str(tiny_checkpoint), "--device", "cpu", "--data", str(data), *rollout],
+                      capsys)
+        assert f"--data {data}: not UTF-8 text" in err
+
+
+def test_results_that_cannot_be_written_are_one_line(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The output path passes the checks made before the run (a full disk does), and the write fails at the end."""
+    def full_disk(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    err = run_cli(["bench", "--model", "qwen3-tiny", "--device", "cpu", "--dtype", "float32", "--batch", "1",
+                   "--seq", "16", "--max-new-tokens", "4", "--skip-generate", "--no-warmup", "--json", "out.json"],
+                  capsys)
+    assert err == "s3r-hf bench: error: --json out.json: the results could not be written (No space left on device)\n"
+
+
+def test_a_temperature_that_overflows_the_logits_is_one_line(tiny_checkpoint: Path, capsys) -> None:
+    base = ["generate", "--model", str(tiny_checkpoint), "--prompt", "hi", "--device", "cpu", "--max-new-tokens", "3",
+            "--do-sample"]
+    for extra in ([], ["--dense"]):
+        err = run_cli([*base, "--temperature", "1e-45", *extra], capsys)
+        assert "--temperature 1e-45 is too small: the model's logits divided by it overflow" in err
+    err = run_cli([*base, "--temperature", "inf"], capsys)
+    assert "argument --temperature: must be a finite number > 0, got inf" in err
 
 
 def test_verbose_adds_the_traceback(capsys: pytest.CaptureFixture[str]) -> None:
