@@ -203,9 +203,12 @@ def write_results(path: str, result: dict) -> None:
         raise UsageError(f"--json {path}: the results could not be written ({error.strerror or error})") from error
 
 
-def check_prompt_source(models: list[str], data: str | None, dataset: str | None, acceptance: float | None) -> None:
-    """Prompt and acceptance flags that would be ignored: random-weight shapes take random prompts and only they
-    take a forced acceptance (a real model's acceptance is its own)."""
+def check_prompt_source(
+    models: list[str], data: str | None, dataset: str | None, acceptance: float | None
+) -> list[str]:
+    """The real models of `models` (the others are random-weight shapes), after refusing the prompt and acceptance
+    flags that would be ignored: random-weight shapes take random prompts and only they take a forced acceptance (a
+    real model's acceptance is its own)."""
     real = [name for name in models if name not in RANDOM_SHAPES]
     if acceptance is not None and real:
         raise UsageError(f"--acceptance forces the acceptance of random-weight shapes only; {real[0]} is a real "
@@ -214,6 +217,7 @@ def check_prompt_source(models: list[str], data: str | None, dataset: str | None
         flag = "--data" if data is not None else "--dataset"
         raise UsageError(f"{flag} gives prompts to real models; the random-weight shapes ({', '.join(models)}) take "
                          "random prompts")
+    return real
 
 
 def refresh_interval_arg(value: str) -> int | None:
@@ -471,8 +475,7 @@ def bench_from_args(args: argparse.Namespace) -> list[dict] | dict:
     args.max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else 128
     if args.max_new_tokens < 2:  # the first new token comes from the prefill: one more is the first decode step
         raise UsageError(f"--max-new-tokens must be at least 2 for the decode grid, got {args.max_new_tokens}")
-    check_prompt_source(args.model or [DEFAULT_MODEL], args.data, args.dataset, args.acceptance)
-    if any(name not in RANDOM_SHAPES for name in args.model or [DEFAULT_MODEL]):
+    if check_prompt_source(args.model or [DEFAULT_MODEL], args.data, args.dataset, args.acceptance):
         args.texts, args.prompt_source = load_texts(args.data, args.dataset, args.split)
     args.budget = _sweep(args.budget, "--budget", float)
     args.refresh_interval = _sweep(args.refresh_interval, "--refresh-interval", refresh_interval_arg)

@@ -599,8 +599,7 @@ def rollout_settings(args: argparse.Namespace) -> dict[str, Any]:
     if max_new_tokens < 1:
         raise RolloutUsageError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     models = args.model or ["smollm2-135m-instruct"]
-    real = [m for m in models if m not in RANDOM_SHAPES]
-    check_prompt_source(models, args.data, args.dataset, args.acceptance)
+    real = check_prompt_source(models, args.data, args.dataset, args.acceptance)
     if args.acceptance is not None and not 0.0 <= args.acceptance <= 1.0:
         raise RolloutUsageError(f"--acceptance must be in [0, 1], got {args.acceptance}")
     if args.seed < 0:
