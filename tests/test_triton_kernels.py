@@ -442,3 +442,48 @@ def test_new_batch_sizes_and_contexts_reuse_the_kernel_variants_built(stored, mo
     for num_requests, context in ((48, 3001), (17, 1000), (33, 517), (3, 77), (2, 250), (64, 8191)):
         steps(num_requests, context)
     assert triton_backend.compiled_variants() == built
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Triton builds kernel variants on a GPU only (interpreted, none)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("first", ["split", "unsplit"])
+def test_a_logit_storing_verify_builds_the_other_split_choice_at_its_first_launch(first, dtype, monkeypatch):
+    """Whether a verify that stores logits is split depends on its batch and contexts: a GRPO step that met the other
+    choice for the first time built its dense-kernel variant (~1 s) mid-run. The first launch of such a kernel also
+    builds the other choice's variant (bf16: its output's dtype differs too), and both outputs are the reference's."""
+    monkeypatch.setattr(triton_backend, "stores_logits", lambda rows, head_dim, size: True)
+    generator = torch.Generator().manual_seed(5)
+    num_kv_heads, group, page_size, width = 2, 3, 16, 4
+    # Head sizes no other test launches, so the variants are this test's own.
+    head_dim = {("split", torch.float32): 40, ("unsplit", torch.float32): 48,
+                ("split", torch.bfloat16): 56, ("unsplit", torch.bfloat16): 80}[first, dtype]
+    tolerance = 2e-3 if dtype == torch.float32 else 3e-2
+
+    def verify(num_requests: int, context: int) -> None:
+        contexts = [context - row % 3 for row in range(num_requests)]
+        num_pages = sum(-(-(c + width) // page_size) for c in contexts) + 1
+        key_pool, value_pool = (pool.to(dtype) for pool in paged_pools(num_pages, page_size, num_kv_heads, head_dim,
+                                                                       generator))
+        tables = block_tables_for([c + width for c in contexts], page_size, num_pages, generator)
+        positions = torch.cat([torch.arange(c, c + width) for c in contexts]).to(DEVICE)
+        cu = torch.arange(0, num_requests * width + 1, width, device=DEVICE)
+        query = torch.randn(num_requests * width, num_kv_heads * group, head_dim, generator=generator)
+        starts = torch.zeros(num_requests, dtype=torch.long, device=DEVICE)
+        args = (query.to(DEVICE, dtype), key_pool, value_pool, tables, cu, positions, 0.1, starts)
+        out, lse, scores = triton_backend.paged_dense_attention(*args)
+        expected = reference.paged_dense_attention(*args)
+        torch.testing.assert_close(out, expected[0], atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(scores, expected[2], atol=tolerance, rtol=tolerance)
+
+    def dense_variants() -> set:
+        return triton_backend.variant_keys((triton_backend._dense_varlen_kernel,))
+
+    shapes = [(32, 4096), (1, 100)]  # split keys (few programs, long contexts), then unsplit (one short row)
+    if first == "unsplit":
+        shapes.reverse()
+    before = dense_variants()
+    verify(*shapes[0])
+    built = dense_variants()
+    assert len(built - before) == 2  # the launched choice and the other
+    verify(*shapes[1])
+    assert dense_variants() == built

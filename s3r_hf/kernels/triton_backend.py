@@ -492,7 +492,7 @@ def paged_dense_attention(
     out = torch.empty(splits, num_queries, num_heads, head_dim, dtype=_out_dtype(query, splits), device=query.device)
     lse = torch.empty(splits, num_queries, num_heads, dtype=torch.float32, device=query.device)
     grid = (num_segments, num_kv_heads, num_q_blocks * splits)
-    _dense_varlen_kernel[grid](
+    args = [
         query, key_pool, value_pool, block_tables, cu, positions, out, lse, scratch,
         score_starts if score_starts is not None else cu, live_segments if live_segments is not None else cu,
         query.stride(0), query.stride(1),
@@ -504,9 +504,12 @@ def paged_dense_attention(
         scratch.stride(1) if logits is not None else 0,
         scratch.stride(2) if logits is not None else 0,
         scale, num_q_blocks,
-        **dense_constants(group, head_dim, key_pool.shape[1], query.dtype, block_m, rows, settings, logits is not None,
-                          num_q_blocks == 1, counts_live, splits),
-    )
+    ]
+    constants = dense_constants(group, head_dim, key_pool.shape[1], query.dtype, block_m, rows, settings,
+                                logits is not None, num_q_blocks == 1, counts_live, splits)
+    _dense_varlen_kernel[grid](*args, **constants)
+    if logits is not None:
+        _build_the_other_split_choice(args, constants, query)
     live = (live_segments, programs, target) if counts_live else None
     out, lse = merge_splits(out, lse, query.dtype, live)
     if score_starts is None:
@@ -517,6 +520,34 @@ def paged_dense_attention(
         query, key_pool, block_tables, cu, positions, score_starts, lse, scale, max(max_context, 1), max_scored_rows
     )
     return out, lse, scores
+
+
+_SPLIT_CHOICES_BUILT: set[tuple] = set()
+
+
+def _build_the_other_split_choice(args: list, constants: dict, query: torch.Tensor) -> None:
+    """Compile, without launching, the variant of a logit-storing dense launch that the other split choice would
+    use (`WHOLE_CONTEXT` unsplit, or split with a fixed count), the first time an eager launch on a GPU meets these
+    bounds.
+
+    Whether such a verify is split depends on its batch and contexts, so a later rollout step can meet the other
+    choice for the first time and compile it (~1 s) mid-run. Launching it once beside the first launch built it too,
+    but left later CUDA-graph captures invalidated in some GPU test runs; `warmup` only compiles: no allocation, no
+    work on the device. The two choices pass the same arguments but the output's dtype (`_out_dtype`; `warmup`
+    takes a dtype in place of a tensor, specialised as an aligned pointer, as every allocation is) and these flags.
+    """
+    if query.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return
+    whole = constants["WHOLE_CONTEXT"]
+    bounds = (query.device, *sorted((name, str(value)) for name, value in constants.items()
+                                    if name not in ("WHOLE_CONTEXT", "COUNT_LIVE")))
+    key = (*bounds, whole)
+    if key in _SPLIT_CHOICES_BUILT:
+        return
+    _SPLIT_CHOICES_BUILT.add(key)
+    other = list(args)
+    other[6] = _out_dtype(query, 2 if whole else 1)  # `out`
+    _dense_varlen_kernel.warmup(*other, grid=(1,), **{**constants, "WHOLE_CONTEXT": not whole, "COUNT_LIVE": False})
 
 
 def stores_logits(scored_rows: int, head_dim: int, kv_element_size: int) -> bool:
