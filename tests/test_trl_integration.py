@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from datasets import Dataset
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, TrainerCallback
 
 import s3r_hf
 from s3r_hf import S3RConfig
@@ -101,6 +103,59 @@ def test_keep_rollout_state_false_frees_the_pool_after_each_rollout(tmp_path, mo
     assert len(pools) == 2
 
 
+class _FreezeCountsAtStepEnd(TrainerCallback):
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.counts.append(gc.get_freeze_count())
+
+
+def _train_recording_freeze_counts(trainer: S3RGRPOTrainer) -> list[int]:
+    recorder = _FreezeCountsAtStepEnd()
+    trainer.add_callback(recorder)
+    trainer.train()
+    return recorder.counts
+
+
+def test_the_heap_is_frozen_after_the_first_rollout_and_thawed_when_training_ends(tmp_path, monkeypatch):
+    """The first rollout's compiles leave long-lived objects that every later full collection traverses again (a
+    half-second pause in some GPU step): they are frozen out of the collector for the run and thawed after it."""
+    from s3r_hf.cache import s3r_cache
+
+    pools, original_init = [], s3r_cache.S3RCache.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        pools.append(weakref.ref(self))
+
+    monkeypatch.setattr(s3r_cache.S3RCache, "__init__", recording_init)
+    assert gc.get_freeze_count() == 0
+    counts = _train_recording_freeze_counts(make_trainer(tmp_path / "on"))
+    assert len(counts) == 2 and counts[0] > 0 and counts[1] > 0, counts
+    assert gc.get_freeze_count() == 0
+    # The kept KV pool, alive when the heap was frozen, is freed when training ends all the same.
+    assert len(pools) == 1 and pools[0]() is None
+
+    assert _train_recording_freeze_counts(make_trainer(tmp_path / "off", freeze_gc_after_first_rollout=False)) == [0, 0]
+    # A rollout outside `train` freezes nothing (nothing would thaw it).
+    trainer = make_trainer(tmp_path / "outside")
+    trainer._generate_single_turn([trainer.processing_class(p)["input_ids"] for p in PROMPTS], None, {}, 1)
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_heap_frozen_by_the_user_is_left_as_it_is(tmp_path):
+    """Thawing at the end would thaw the user's frozen objects too, so the trainer freezes nothing then."""
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()  # frozen objects freed later leave the count: it may fall, never rise
+        counts = _train_recording_freeze_counts(make_trainer(tmp_path))
+        assert len(counts) == 2 and all(0 < count <= frozen for count in counts), (counts, frozen)
+        assert 0 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
+
+
 def _rollouts_against_trl(tmp_path, **trainer_options):
     """A trainer with `trainer_options` and TRL's own generation, both at top_k=1: the first after checking that its
     completions and sampling log-probs are what TRL's own path returns."""
@@ -171,7 +226,7 @@ def test_config_errors_name_the_problem(tmp_path):
         S3RGRPOConfig(output_dir=str(tmp_path), s3r_config="{draft_len: 3", use_cpu=True)
     with pytest.raises(ValueError, match="s3r_rollout_mode must be one of"):
         S3RGRPOConfig(output_dir=str(tmp_path), s3r_rollout_mode="fast", use_cpu=True)
-    for name in ("use_s3r", "keep_rollout_state"):
+    for name in ("use_s3r", "keep_rollout_state", "freeze_gc_after_first_rollout"):
         for value in ("false", None, 0):  # "false" would turn S3R on, None off: neither says what was meant
             with pytest.raises(ValueError, match=rf"S3RGRPOConfig.{name} must be True or False"):
                 S3RGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{name: value})

@@ -35,6 +35,13 @@ class S3RGRPOConfig(GRPOConfig):
             `kv_memory_fraction` of the free memory), plus the graphs' scratch and, with compiled layers, a copy of
             the Q/K/V and gate/up weights. `False` (or `keep_state: false` in `s3r_config`) frees them when each
             rollout returns. Either way they are freed when `train()` returns.
+        freeze_gc_after_first_rollout (`bool`, defaults to `True`):
+            After the first S3R rollout, collect garbage once and move every object then alive into Python's
+            permanent GC generation (`gc.freeze`, as vLLM does after its warm-up) until `train()` returns. The first
+            rollout compiles layers, kernels and graphs whose many long-lived objects every later full collection
+            would traverse again, a pause of about half a second in some step. Objects frozen there that later
+            become cyclic garbage are freed only when training ends. Nothing is frozen where the collector is off
+            or something else froze objects already.
     """
 
     use_s3r: bool = field(
@@ -57,9 +64,16 @@ class S3RGRPOConfig(GRPOConfig):
                           "during the optimizer step). False frees them after each rollout."},
     )
 
+    freeze_gc_after_first_rollout: bool = field(
+        default=True,
+        metadata={"help": "Freeze the objects alive after the first S3R rollout (compiled layers, kernels, graphs) "
+                          "out of Python's garbage collector until training ends, so that later full collections "
+                          "do not pause a step."},
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("use_s3r", "keep_rollout_state"):
+        for name in ("use_s3r", "keep_rollout_state", "freeze_gc_after_first_rollout"):
             value = getattr(self, name)
             if not isinstance(value, bool):  # "false" would be truthy, None falsy: neither says what was meant
                 raise ValueError(f"S3RGRPOConfig.{name} must be True or False, got {value!r}")

@@ -17,6 +17,7 @@ from s3r_hf.runtime_state import free_device_state
 from s3r_hf.sharding import gathered_parameters
 from s3r_hf.stats import S3RStats
 from s3r_hf.validation import check_model_supported, context_window, model_dropout
+from trl_integration.heap_freeze import HeapFreeze
 
 
 def check_sharding_supported(trainer) -> None:
@@ -127,6 +128,7 @@ class S3RGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         resolve = getattr(self.args, "resolved_s3r_config", None)
         self.s3r_config = resolve() if resolve is not None and self.args.use_s3r else None
+        self._heap_freeze = HeapFreeze()
         if self.s3r_config is not None:
             if getattr(self, "rollout_func", None) is not None:  # TRL calls it in place of its generation
                 raise ValueError(
@@ -141,12 +143,16 @@ class S3RGRPOTrainer(GRPOTrainer):
 
     def train(self, *args, **kwargs):
         """TRL's `train`; then S3R's kept KV pool, graphs and fused weights are freed (`keep_rollout_state` keeps them
-        from one rollout to the next, not past training). What the draft-length rule measured stays with the model."""
+        from one rollout to the next, not past training). What the draft-length rule measured stays with the model.
+        The heap frozen after the first rollout (`freeze_gc_after_first_rollout`) is thawed."""
+        freeze = getattr(self.args, "freeze_gc_after_first_rollout", False)  # a plain GRPOConfig has no such field
+        self._heap_freeze.armed = self.s3r_config is not None and freeze
         try:
             return super().train(*args, **kwargs)
         finally:
             if self.s3r_config is not None:
                 free_device_state(self.accelerator.unwrap_model(self.model))
+            self._heap_freeze.thaw()
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         multimodal = bool(multimodal_fields) or (images is not None and any(images))
@@ -161,6 +167,7 @@ class S3RGRPOTrainer(GRPOTrainer):
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
         self._log_s3r(recorder)
+        self._heap_freeze.freeze()  # after the first rollout's compiles, in `train`; a no-op from then on
         # None, as TRL's own path returns: TRL would store sampling log-probs as `sampling_per_token_logps`, and its
         # off-policy mask would compare them (after top-k / top-p) with the policy's, dropping other sequences than
         # it drops with its own generation.
