@@ -355,3 +355,13 @@ def test_a_missing_trl_names_the_trl_extra(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setitem(sys.modules, "trl", None)
     with pytest.raises(MissingDependencyError, match=r"pip install 's3r-hf\[trl\]'"):
         check_trl()
+
+
+def test_demo_past_the_context_window_is_refused_before_generating(tiny_checkpoint: Path, capsys, monkeypatch) -> None:
+    import s3r_hf.demo as demo
+
+    calls = []
+    monkeypatch.setattr(demo, "timed_generate", lambda *args, **kwargs: calls.append(kwargs))
+    err = run_cli(["demo", "--model", str(tiny_checkpoint), "--device", "cpu", "--max-new-tokens", "100000"], capsys)
+    assert "goes past the model's context window" in err and "max_new_tokens=100000" in err
+    assert calls == []  # neither the warm-up nor the dense pass ran first
