@@ -144,14 +144,18 @@ def test_the_heap_is_frozen_after_the_first_rollout_and_thawed_when_training_end
     assert gc.get_freeze_count() == 0
 
 
-def test_a_heap_frozen_by_the_user_is_left_as_it_is(tmp_path):
-    """Thawing at the end would thaw the user's frozen objects too, so the trainer freezes nothing then."""
+def test_a_heap_frozen_before_training_is_frozen_further_and_not_thawed(tmp_path):
+    """Objects frozen before training (by the user, or by whatever froze some at the process's start) do not stop the
+    freeze after the first rollout, which is what keeps the steps free of long collections; at the end nothing is
+    thawed, since `gc.unfreeze` would thaw those objects too."""
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()  # frozen objects freed later leave the count: it may fall, never rise
-        counts = _train_recording_freeze_counts(make_trainer(tmp_path))
-        assert len(counts) == 2 and all(0 < count <= frozen for count in counts), (counts, frozen)
-        assert 0 < gc.get_freeze_count() <= frozen
+        frozen = gc.get_freeze_count()
+        trainer = make_trainer(tmp_path)
+        counts = _train_recording_freeze_counts(trainer)
+        assert len(counts) == 2 and all(count > frozen for count in counts), (counts, frozen)
+        assert trainer._heap_freeze.frozen_before > 0  # (frozen objects freed since leave the count)
+        assert gc.get_freeze_count() > frozen  # the trainer's frozen objects stay frozen with the earlier ones
     finally:
         gc.unfreeze()
 

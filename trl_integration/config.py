@@ -40,8 +40,9 @@ class S3RGRPOConfig(GRPOConfig):
             permanent GC generation (`gc.freeze`, as vLLM does after its warm-up) until `train()` returns. The first
             rollout compiles layers, kernels and graphs whose many long-lived objects every later full collection
             would traverse again, a pause of about half a second in some step. Objects frozen there that later
-            become cyclic garbage are freed only when training ends. Nothing is frozen where the collector is off
-            or something else froze objects already.
+            become cyclic garbage are freed only when training ends. Nothing is frozen where the collector is off.
+            Where objects were frozen before training (by the caller, or at the process's start), the trainer's are
+            left frozen with them when it ends, since `gc.unfreeze` would thaw those too.
     """
 
     use_s3r: bool = field(
