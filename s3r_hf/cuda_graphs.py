@@ -22,7 +22,9 @@ once. For the same reason a verify block of drafts whose forward would hold at m
 at the widest bucket that does (32 requests of 7 tokens): a later call's tail may draft at row counts the first
 never reached, and one graph serves them all. It is captured ahead, from padding rows, when a wider verify graph
 of its block width is first captured, so a later call's tail finds it even if the first call's never drafted there;
-so is any bucket between the two that neither serves (48 requests, under a graph of 256: `keys_ahead`).
+so is any bucket between the two that neither serves (48 requests, under a graph of 256: `keys_ahead`). Where a
+call may skip refreshes, a verify graph's unscored twin (`"block"`) is captured with it too (`ahead_of`): which
+rounds skip one is the adaptive rule's choice, and the first to do so may come many calls later.
 
 There is no bucket of one row: torch.compile specializes a dimension of size 1, so with compiled layers the first
 step down to one request would compile every layer's frames again, in whichever call (a later GRPO step) a tail
@@ -110,6 +112,9 @@ class DecodeGraphs:
         # Set for each call (the engine): graphs kept from an earlier call, so a larger captured bucket is replayed
         # rather than a smaller one captured, within `REPLAY_LARGER_TOKENS`.
         self.replay_larger = False
+        # Set for each call (the engine): the call may verify without scores (`S3RConfig.max_refresh_interval` > 1),
+        # so a verify graph's unscored twin is captured with it (`ahead_of`).
+        self.unscored_blocks = False
         self.capture_seconds = 0.0  # wall time spent capturing (device-synchronized)
         self.capture_log: list[str] = []  # one entry per capture, in order: what was captured and how long it took
 
@@ -287,12 +292,23 @@ class DecodeGraphs:
             keys.append((kind, bucket, capacity, width, variant))
         return keys
 
+    def ahead_of(self, key: tuple) -> list[tuple]:
+        """The graphs to capture with `key`: those `keys_ahead` names and, where the call may verify without scores
+        (`unscored_blocks`), a verify graph's unscored twin (`"block"`, the same rows and width) and the graphs it
+        names. Which rounds skip a refresh is the adaptive rule's choice, made from timings: one GRPO step captured
+        that twin, and built its kernels, eight steps after its verify graph."""
+        keys = self.keys_ahead(key)
+        if self.unscored_blocks and key[0] == "verify" and key[3] > 1:
+            twin = ("block", *key[1:])
+            keys += [twin, *self.keys_ahead(twin)]
+        return keys
+
     def _capture_ahead(self, key: tuple, precision: str) -> None:
-        """Capture, from padding rows alone, the block graphs `keys_ahead` names for a block graph just captured. A
+        """Capture, from padding rows alone, the block graphs `ahead_of` names for a block graph just captured. A
         sampled call's tail reaches row counts that change from call to call, and the adaptive rule's probes draft
         at row counts it had not drafted at before; captured now, those graphs are ready when a later call first
         drafts there, instead of being captured in that call."""
-        for ahead in self.keys_ahead(key):
+        for ahead in self.ahead_of(key):
             if ahead in self.steps:
                 continue
             kind, bucket, _, width, _ = ahead

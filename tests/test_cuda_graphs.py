@@ -12,6 +12,7 @@ import torch
 import s3r_hf
 from s3r_hf import S3RConfig
 from s3r_hf.cuda_graphs import BUCKETS, DecodeGraphs, garbage_collection_paused
+from s3r_hf.draft_policy import ScriptedDraftLength
 from s3r_hf.step_plan import DenseSegments, SparseQueries, StepPlan
 from tests.conftest import left_padded_batch, tiny_model
 
@@ -110,6 +111,50 @@ def test_the_graphs_captured_ahead_leave_no_request_count_of_a_later_call_to_cap
         graphs.steps = dict.fromkeys([key, *DecodeGraphs.keys_ahead(key)])
         for rows in range(1, bucket + 1):
             assert graphs._key(kind, rows, 0, width) in graphs.steps, (key, rows)
+
+
+def test_a_verify_graph_names_its_unscored_twin_where_a_call_may_skip_refreshes():
+    graphs = DecodeGraphs(SimpleNamespace(page_size=4), forward=None, max_pages=8, draft_len=6, max_candidates=16)
+    assert graphs.ahead_of(("verify", 32, 0, 7, None)) == []
+    graphs.unscored_blocks = True
+    assert graphs.ahead_of(("verify", 32, 0, 7, None)) == [("block", 32, 0, 7, None)]
+    assert graphs.ahead_of(("verify", 256, 0, 7, None)) == [
+        ("verify", 32, 0, 7, None), ("verify", 48, 0, 7, None),
+        ("block", 256, 0, 7, None), ("block", 32, 0, 7, None), ("block", 48, 0, 7, None),
+    ]
+    assert graphs.ahead_of(("verify", 64, 0, 1, None)) == []  # a one-query refresh step has no unscored block
+    assert graphs.ahead_of(("block", 32, 0, 7, None)) == []
+    assert graphs.ahead_of(("dense", 32, 0, 1, None)) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("refresh_interval", [None, 1])
+def test_a_call_that_may_skip_refreshes_captures_the_unscored_block_graph_with_the_verify_graph(refresh_interval):
+    """A first call refreshes every round, so it verifies with scores only; where the config lets rounds skip a
+    refresh (the adaptive rule's own interval), the unscored graph of the same rows is captured with the verify
+    graph, and a later call that skips refreshes captures nothing and decodes as dense decoding does. With
+    `refresh_interval=1` no round ever skips one, and no unscored graph is captured."""
+    model = s3r_hf.enable(tiny_model("qwen3", seed=41).cuda())
+    config = S3RConfig(draft_len=6, budget_ratio=0.1, min_budget=2, page_size=4, cuda_graphs=True,
+                       refresh_interval=refresh_interval)
+    input_ids, attention_mask = (t.cuda() for t in left_padded_batch([12, 7, 15, 9], seed=42))
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=30, eos_token_id=None)
+
+    def captures(refreshes: list[bool]) -> tuple[list[str], torch.Tensor]:
+        out = model.generate(input_ids, s3r_config=config, s3r_draft_policy=ScriptedDraftLength([6], refreshes),
+                             return_dict_in_generate=True, **kwargs)
+        return [graph.split(" (")[0] for graph in out.s3r_stats.captured_graphs], out.sequences
+
+    first, _ = captures([True])
+    assert any(graph.startswith("verify") for graph in first)
+    if refresh_interval == 1:
+        assert not any(graph.startswith("block") for graph in first)
+    else:
+        assert first.index("verify 32x7") + 1 == first.index("block 32x7")
+        later, sequences = captures([True, False, False])
+        assert later == []
+        assert torch.equal(sequences, model.generate(input_ids, **kwargs))
+    s3r_hf.release(model)
 
 
 def test_a_block_graph_replay_tells_the_attention_how_many_requests_are_real():

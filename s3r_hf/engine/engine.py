@@ -190,6 +190,7 @@ class S3REngine:
         graphs.keep_draft_phases_of(self.runner.draft_phase)
         # Graphs kept from an earlier call: a step replays a larger captured bucket rather than capture a smaller one.
         graphs.replay_larger = graphs.captures > 0
+        graphs.unscored_blocks = self.config.max_refresh_interval > 1
         self.runner.graphs = graphs
         # Index views at their largest from the start: growing them would invalidate the draft graphs. A view never
         # holds more than the context, whatever the slack between refreshes.
