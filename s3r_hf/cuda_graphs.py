@@ -295,8 +295,8 @@ class DecodeGraphs:
     def ahead_of(self, key: tuple) -> list[tuple]:
         """The graphs to capture with `key`: those `keys_ahead` names and, where the call may verify without scores
         (`unscored_blocks`), a verify graph's unscored twin (`"block"`, the same rows and width) and the graphs it
-        names. Which rounds skip a refresh is the adaptive rule's choice, made from timings: one GRPO step captured
-        that twin, and built its kernels, eight steps after its verify graph."""
+        names. Which rounds skip a refresh is the adaptive rule's choice, made from timings, so the first may come many
+        calls after the verify graph, and a capture there (with its kernels' first builds) would pause that call."""
         keys = self.keys_ahead(key)
         if self.unscored_blocks and key[0] == "verify" and key[3] > 1:
             twin = ("block", *key[1:])
