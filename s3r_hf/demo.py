@@ -181,7 +181,7 @@ def run_demo(
         `rows_matching`, the config used and the decoded completions.
     """
     from . import enable  # the engine's entry point; imported here so this module loads without it
-    from .validation import check_context_window
+    from .validation import check_context_window, prompt_rows
 
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
@@ -214,8 +214,7 @@ def run_demo(
         batch = build_batch(tokenizer, [p["question"] for p in problems], device=model.device)
         prompt_len = batch["input_ids"].shape[1]
         # Before the dense pass, which would otherwise run whole before S3R's own check refuses the call.
-        prompts = [ids[mask.bool()] for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
-        check_context_window(model, prompts, max_new_tokens)
+        check_context_window(model, prompt_rows(batch["input_ids"], batch["attention_mask"]), max_new_tokens)
         eos_ids = eos_token_ids(model, tokenizer)
         pad_id = tokenizer.pad_token_id
         common = {"do_sample": False, "pad_token_id": pad_id}
