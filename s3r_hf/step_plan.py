@@ -68,7 +68,4 @@ class StepPlan:
     sparse: SparseQueries | None = None
     # Filled by the attention function: per layer, the verify scores `[Sd, Hkv, max_context]` of scored segments.
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
-    # Filled after the forward from `scores`: `[num_layers, Sd, Hkv, num_candidates]` top-K history positions,
-    # selected for all layers in one call (one top-K per layer costs a launch-bound sort per layer).
-    candidates: torch.Tensor | None = None
     layers_seen: set[int] = field(default_factory=set)

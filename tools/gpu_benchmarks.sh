@@ -87,6 +87,9 @@
 #   chain        a forward's chain of 30 fused SmolLM2 layers and their attention from one CUDA graph, as a dense step
 #                and as a draft pass (tools/decode_chain.py; CHAIN_ARGS replaces its default arguments: float32
 #                with TF32 products at 16 and 32 rows, 3K context, the sparse kernel's own splits and unsplit)
+#   view-refresh the index-view refresh: select_index_views against the torch.topk path it replaced, at the SmolLM2
+#                and Qwen3-1.7B shapes (exactness and time), then S3R rounds refreshing every round on the Qwen3-1.7B
+#                shape with each path (tools/view_refresh.py; VIEW_ARGS replaces its arguments, default --engine)
 #   kv-pressure  the paper's Table 2: long rollouts from short prompts on the Qwen3-1.7B shape (forced acceptance), the
 #                KV pool at half the peak need; engine AR, S3R with offload at fixed limits 128/160/256, S3R with AIMD,
 #                lockstep and mixed-stage steps (tools/kv_pressure.py; KVP_ARGS adds its options, KVP_TIMEOUT 540 s)
@@ -177,7 +180,7 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     ;;
   tests)
     S3R_HF_TEST_DEVICE=cuda timeout 420 python3 -m pytest -p no:warnings -p no:cacheprovider -rs \
-      ${TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_compiled_layers.py tests/test_greedy_exactness.py tests/test_accept_stage.py tests/test_prelaunch.py tests/test_sampler.py tests/test_memory_release.py tests/test_kv_offload.py tests/test_draft_precision.py tests/test_fused_layers.py tests/test_lm_head.py tests/test_device_placement.py tests/test_prefill_attention.py tests/test_aimd.py::test_greedy_output_equals_dense_while_the_limit_moves} \
+      ${TESTS:-tests/test_triton_kernels.py tests/test_view_select.py tests/test_cuda_graphs.py tests/test_compiled_layers.py tests/test_greedy_exactness.py tests/test_accept_stage.py tests/test_prelaunch.py tests/test_sampler.py tests/test_memory_release.py tests/test_kv_offload.py tests/test_draft_precision.py tests/test_fused_layers.py tests/test_lm_head.py tests/test_device_placement.py tests/test_prefill_attention.py tests/test_aimd.py::test_greedy_output_equals_dense_while_the_limit_moves} \
       2>&1 | tee "$OUT/tests.log" | tail -15
     ;;
   all-tests)
@@ -347,6 +350,11 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     # shellcheck disable=SC2086  # KVP_ARGS is a list of options
     timeout ${KVP_TIMEOUT:-540} python3 tools/kv_pressure.py ${KVP_ARGS:-} --json "$OUT/kv_pressure.json" 2>&1 \
       | grep -v -i warn | tee "$OUT/kv_pressure.log" | tail -30
+    ;;
+  view-refresh)
+    # shellcheck disable=SC2086  # VIEW_ARGS is a list of options
+    timeout ${VIEW_TIMEOUT:-420} python3 tools/view_refresh.py ${VIEW_ARGS:---engine} --json "$OUT/view_refresh.json" 2>&1 \
+      | grep -v -i warn | tee "$OUT/view_refresh.log" | tail -20
     ;;
   rollout)
     for dtype in ${PROBE_DTYPES:-float32 bfloat16}; do

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-# Marks an unused entry while building views; sorts after every real position.
-_UNUSED = torch.iinfo(torch.int32).max
+from s3r_hf.kernels.reference import UNUSED_POSITION, merge_index_views
 
 
 class SparseIndexViews:
@@ -63,33 +62,25 @@ class SparseIndexViews:
             width: `max(budgets)` when the caller knows it on the host (saves a device read-back).
         """
         device = candidates.device
-        layers = slice(None) if layer is None else slice(layer, layer + 1)
         candidates = candidates if layer is None else candidates[None]  # [L, S, Hkv, C]
-        history_lens, context_lens, budgets = (t.to(device).long() for t in (history_lens, context_lens, budgets))
-        recent_len = torch.minimum(context_lens - history_lens, budgets)  # [S]
-        top_len = budgets - recent_len  # [S]
         if width is None:
             width = int(budgets.max()) if budgets.numel() else 0
-        self.ensure_capacity(width)
-        num_candidates = candidates.shape[-1]
-
-        # Top part: the first `top_len` candidates of each row.
-        cand_idx = torch.arange(num_candidates, device=device)
-        cand_ok = (cand_idx[None, :] < top_len[:, None])[None, :, None, :] & (candidates >= 0)
-        top = torch.where(cand_ok, candidates, torch.full_like(candidates, _UNUSED))
-        # Recent part: the last `recent_len` positions before `context_lens` (at most the whole window).
-        offsets = torch.arange(width, device=device)
-        recent_pos = context_lens[:, None] - recent_len[:, None] + offsets[None, :]
-        recent = torch.where(offsets[None, :] < recent_len[:, None], recent_pos, torch.full_like(recent_pos, _UNUSED))
-        recent = recent[None, :, None, :].expand(candidates.shape[0], -1, self.num_kv_heads, -1).to(torch.int32)
-        merged = torch.sort(torch.cat([top, recent], dim=-1), dim=-1).values[..., :width]
+        merged = merge_index_views(candidates, history_lens, context_lens, budgets, width)
         if merged.device.type == "cpu":  # a cheap invariant check where it costs no device synchronisation
-            short = (merged == _UNUSED) & (offsets[None, None, None, :] < budgets[None, :, None, None])
+            in_budget = torch.arange(width, device=device)[None, :] < budgets.to(device)[:, None]  # [S, width]
+            short = (merged == UNUSED_POSITION) & in_budget[None, :, None, :]
             if bool(short.any()):  # the caller asked for fewer candidates than the budget needs
                 raise RuntimeError("index view refresh has fewer candidate positions than its budget")
-        self.positions[layers, slots.long(), :, :width] = merged
+        self.store(layer, slots, merged, budgets)
+
+    def store(self, layer: int | None, slots: torch.Tensor, views: torch.Tensor, budgets: torch.Tensor) -> None:
+        """Set the views of `slots` to `views` (`[L, S, Hkv, width]` for every layer when `layer` is None, else
+        `[1, S, Hkv, width]`), built by `merge_index_views` or `select_index_views`, of lengths `budgets` `[S]`."""
+        layers = slice(None) if layer is None else slice(layer, layer + 1)
+        self.ensure_capacity(views.shape[-1])
+        self.positions[layers, slots.long(), :, : views.shape[-1]] = views
         if layer in (None, 0):
-            self.lengths[slots.long()] = budgets.to(torch.int32)
+            self.lengths[slots.long()] = budgets.to(self.device, torch.int32)
 
     def extend(
         self, slots: torch.Tensor, old_context_lens: torch.Tensor, context_lens: torch.Tensor, max_new: int

@@ -13,7 +13,6 @@ from s3r_hf.cuda_graphs import DecodeGraphs
 from s3r_hf.draft_phase import DraftInputs, DraftOutputs, DraftPhase
 from s3r_hf.engine.prompt_chunks import PromptChunks
 from s3r_hf.engine.sampling_setup import SamplingSetup
-from s3r_hf.kernels import get_backend
 from s3r_hf.matmul_precision import float32_matmul_precision
 from s3r_hf.model_forward import ModelForward
 from s3r_hf.request import Request
@@ -123,22 +122,14 @@ class ModelRunner:
     def capture_seconds(self) -> float:
         return self.graphs.capture_seconds if self.graphs is not None else 0.0
 
-    def candidates(self, plan: StepPlan) -> torch.Tensor:
-        """The plan's top-K history positions, selected on first use from the scores its forward recorded."""
-        if plan.candidates is None:
-            plan.candidates = self._select_candidates(plan)
-        return plan.candidates
-
-    def _select_candidates(self, plan: StepPlan) -> torch.Tensor:
-        """Top-K history positions of every layer, `[num_layers, Sd, Hkv, K]`, from one batched selection."""
-        scores = torch.stack([plan.scores[layer] for layer in range(self.num_layers)])  # [L, Sd, Hkv, ctx]
+    def take_scores(self, plan: StepPlan) -> torch.Tensor:
+        """Every layer's verify scores of the plan's forward, `[num_layers, Sd, Hkv, ctx]`, in one tensor for one
+        batched view refresh; taken once (the per-layer scores are released)."""
+        if len(plan.scores) != self.num_layers:
+            raise RuntimeError(f"the plan holds verify scores of {len(plan.scores)} of {self.num_layers} layers")
+        scores = torch.stack([plan.scores[layer] for layer in range(self.num_layers)])
         plan.scores = {}
-        layers, segments = scores.shape[:2]
-        history = plan.dense.history_lens.repeat(layers)
-        candidates = get_backend(scores.device).select_topk_candidates(
-            scores.flatten(0, 1), history, plan.dense.num_candidates
-        )
-        return candidates.view(layers, segments, *candidates.shape[1:])
+        return scores
 
     def tensor(self, values: list[int]) -> torch.Tensor:
         return to_device(values, self.device)

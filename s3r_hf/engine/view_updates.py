@@ -8,6 +8,7 @@ import torch
 from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.config import S3RConfig
 from s3r_hf.engine.model_runner import ModelRunner
+from s3r_hf.kernels import get_backend
 from s3r_hf.request import Request
 from s3r_hf.step_plan import StepPlan
 
@@ -61,6 +62,7 @@ class IndexViewUpdates:
         seg_index = self.runner.tensor(segments)
         slots = self.runner.tensor([r.slot for r in requests])
         history = plan.dense.history_lens[seg_index]
-        candidates = self.runner.candidates(plan)[:, seg_index]
         budgets = self.config.budgets(contexts)
-        self.cache.index_views.build(None, slots, candidates, history, contexts, budgets, width=width)
+        scores = self.runner.take_scores(plan)
+        views = get_backend(scores.device).select_index_views(scores, seg_index, history, contexts, budgets, width)
+        self.cache.index_views.store(None, slots, views, budgets)

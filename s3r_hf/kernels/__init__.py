@@ -1,8 +1,9 @@
 """Attention kernels behind one interface: a torch reference and Triton kernels with the same signatures.
 
 `get_backend(device)` returns the module whose functions the attention path calls. Every backend implements
-`paged_dense_attention`, `paged_sparse_attention`, `write_kv` and `select_topk_candidates` with the signatures of
-`s3r_hf.kernels.reference`, and is tested against it. CUDA tensors use Triton; CPU tensors use the reference.
+`paged_dense_attention`, `paged_sparse_attention`, `write_kv`, `select_topk_candidates` and `select_index_views`
+with the signatures of `s3r_hf.kernels.reference`, and is tested against it. CUDA tensors use Triton; CPU tensors
+use the reference.
 `S3R_HF_KERNELS=reference|triton` forces one (Triton on CPU needs `TRITON_INTERPRET=1`).
 
 The fused decoder-layer kernels (`S3RConfig.fused_layers`) follow the same rule: `get_layer_backend(device)` returns

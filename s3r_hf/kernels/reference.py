@@ -239,3 +239,73 @@ def select_topk_candidates(scores: torch.Tensor, history_lens: torch.Tensor, num
     result = torch.full((num_segments, num_kv_heads, num_candidates), -1, dtype=torch.int32, device=scores.device)
     result[..., :keep] = torch.where(picked, order, torch.full_like(order, -1)).to(torch.int32)
     return result
+
+
+# An index view's unused entries (past its budget); sorts after every real position.
+UNUSED_POSITION = torch.iinfo(torch.int32).max
+
+
+def merge_index_views(
+    candidates: torch.Tensor,
+    history_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    budgets: torch.Tensor,
+    width: int,
+) -> torch.Tensor:
+    """Index views `R ∪ TopK_{K-|R|}` from top-K candidates: the recent window plus the best-scored history.
+
+    Args:
+        candidates: `[L, S, Hkv, C]` history positions in descending score order (`-1` = none).
+        history_lens: `[S]`; the recent window is `R = [history_lens, context_lens)`, cut to its last `budgets`
+            positions where it is longer.
+        context_lens: `[S]` committed length after the refresh.
+        budgets: `[S]` view size `K` (`<= context_lens`).
+        width: columns of the result (`>= max(budgets)`).
+
+    Returns:
+        `[L, S, Hkv, width]` int32 positions, ascending; entries past `budgets[s]` are `UNUSED_POSITION`.
+    """
+    device = candidates.device
+    history_lens, context_lens, budgets = (t.to(device).long() for t in (history_lens, context_lens, budgets))
+    recent_len = torch.minimum(context_lens - history_lens, budgets)  # [S]
+    top_len = budgets - recent_len  # [S]
+    num_layers, _, num_kv_heads, num_candidates = candidates.shape
+    # Top part: the first `top_len` candidates of each row.
+    cand_idx = torch.arange(num_candidates, device=device)
+    cand_ok = (cand_idx[None, :] < top_len[:, None])[None, :, None, :] & (candidates >= 0)
+    top = torch.where(cand_ok, candidates, torch.full_like(candidates, UNUSED_POSITION))
+    # Recent part: the last `recent_len` positions before `context_lens` (at most the whole window).
+    offsets = torch.arange(width, device=device)
+    recent_pos = context_lens[:, None] - recent_len[:, None] + offsets[None, :]
+    unused = torch.full_like(recent_pos, UNUSED_POSITION)
+    recent = torch.where(offsets[None, :] < recent_len[:, None], recent_pos, unused)
+    recent = recent[None, :, None, :].expand(num_layers, -1, num_kv_heads, -1).to(torch.int32)
+    return torch.sort(torch.cat([top.to(torch.int32), recent], dim=-1), dim=-1).values[..., :width]
+
+
+def select_index_views(
+    scores: torch.Tensor,
+    segments: torch.Tensor,
+    history_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    budgets: torch.Tensor,
+    width: int,
+) -> torch.Tensor:
+    """Every layer's index views of some scored segments, straight from a dense forward's verify scores.
+
+    Args:
+        scores: `[L, Sd, Hkv, ctx]` mean softmax weights per key position (`paged_dense_attention`, every layer).
+        segments: `[S]` the rows of `Sd` to build views for.
+        history_lens, context_lens, budgets: `[S]`, as `merge_index_views` takes them; top-K candidates are the
+            positions `< history_lens` (ties: lower position first).
+        width: columns of the result (`>= max(budgets)`).
+
+    Returns:
+        `merge_index_views`'s result: `[L, S, Hkv, width]` int32, ascending, `UNUSED_POSITION` past each budget.
+    """
+    picked = scores[:, segments.to(scores.device).long()]
+    num_layers, num_segments, num_kv_heads = picked.shape[:3]
+    history = history_lens.to(scores.device)
+    candidates = select_topk_candidates(picked.flatten(0, 1), history.repeat(num_layers), width)
+    candidates = candidates.view(num_layers, num_segments, num_kv_heads, width)
+    return merge_index_views(candidates, history, context_lens, budgets, width)

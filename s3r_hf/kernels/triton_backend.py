@@ -10,7 +10,9 @@
   normalisers (the paper's Appendix B.1).
 - `merge_splits`: the partial results of a split key range combined in one launch.
 - `write_kv`: a step's K and V into the pools in one launch.
-- `select_topk_candidates`: `torch.topk` on the GPU.
+- `select_topk_candidates`: `torch.topk` on the GPU (the per-layer selection of `transformers`' assisted loop).
+- `select_index_views`: every layer's index views from a dense forward's scores in one launch
+  (`view_select_triton`).
 
 Run on CPU tensors under `TRITON_INTERPRET=1` (CI) and on CUDA.
 """
@@ -21,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from s3r_hf.kernels.view_select_triton import KERNELS as _VIEW_KERNELS
+from s3r_hf.kernels.view_select_triton import select_index_views  # noqa: F401  (the backend interface)
 from s3r_hf.matmul_precision import tf32_matmuls
 
 
@@ -809,7 +813,7 @@ def write_kv(
 
 KERNELS = (
     _sparse_decode_kernel, _dense_varlen_kernel, _verify_scores_kernel, _reduce_scores_kernel, _merge_splits_kernel,
-    _write_kv_kernel,
+    _write_kv_kernel, *_VIEW_KERNELS,
 )
 
 

@@ -1,0 +1,143 @@
+"""Triton version of `reference.select_index_views`: an index-view refresh in one launch.
+
+The torch path stacks every layer's verify scores, masks the positions past each history, runs `torch.topk` (a
+radix select with several passes and a sort of the kept scores) and then merges the candidates with the recent
+window in another sort. Here one program per (layer, segment, KV head) does all of it over its row of scores:
+
+1. a radix select of the `top`-th largest score, eight bits at a time over the scores' order-preserving integer
+   keys, in four passes over the row (a histogram of the next digit among the keys whose higher digits match);
+2. one more pass that writes the positions of the keys above that threshold, and of the first keys equal to it
+   (lower positions first, as the reference's stable sort breaks ties), in ascending order: the order a view
+   keeps, so no sort is needed;
+3. the recent window after them, and `UNUSED_POSITION` up to the width.
+
+The top-K and the recent window never overlap (candidates lie below the history length, the window at or above
+it), so the view is their concatenation. A row of a few thousand scores stays in L2 between the passes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from s3r_hf.kernels.reference import UNUSED_POSITION
+
+BLOCK = 1024  # scores a program reads per step of a pass
+
+
+@triton.jit
+def _order_keys(row_ptr, offsets, valid):
+    """int32 keys whose signed order is the float order of the scores (-0.0 counted as 0.0)."""
+    score = tl.load(row_ptr + offsets, mask=valid, other=0.0)
+    score = tl.where(score == 0.0, 0.0, score)
+    bits = score.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip all but the sign bit
+
+
+@triton.jit
+def _digit(keys, SHIFT: tl.constexpr):
+    """The 8-bit digit of the keys at `SHIFT`, the keys taken as unsigned (sign bit flipped)."""
+    digit = (keys >> SHIFT) & 0xFF
+    if SHIFT == 24:
+        digit = digit ^ 0x80
+    return digit
+
+
+@triton.jit
+def _high_digits(keys, SHIFT: tl.constexpr):
+    """The digits above `SHIFT` of the keys taken as unsigned, as one number (`SHIFT < 24`)."""
+    return ((keys >> (SHIFT + 8)) & ((1 << (24 - SHIFT)) - 1)) ^ (1 << (23 - SHIFT))
+
+
+@triton.jit(do_not_specialize=["num_segments", "width", "stride_sl", "stride_ss", "stride_sh", "stride_ol",
+                               "stride_os", "stride_oh"])
+def _select_views_kernel(
+    scores_ptr, segments_ptr, history_ptr, context_ptr, budget_ptr, out_ptr, num_segments, width,
+    stride_sl, stride_ss, stride_sh, stride_ol, stride_os, stride_oh,
+    UNUSED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    layer = tl.program_id(0) // num_segments
+    index = tl.program_id(0) % num_segments
+    head = tl.program_id(1)
+    segment = tl.load(segments_ptr + index).to(tl.int64)
+    history = tl.load(history_ptr + index).to(tl.int32)
+    context = tl.load(context_ptr + index).to(tl.int32)
+    budget = tl.load(budget_ptr + index).to(tl.int32)
+    recent = tl.minimum(context - history, budget)
+    top = budget - recent
+    row = scores_ptr + layer * stride_sl + segment * stride_ss + head * stride_sh
+    out = out_ptr + layer * stride_ol + index * stride_os + head * stride_oh
+    span = tl.where(top > 0, history, 0)  # a view of the recent window alone reads no scores
+    bins = tl.arange(0, 256)
+
+    # 1. The `top`-th largest key, a digit per pass from the highest: `prefix` holds the digits found so far (as
+    # unsigned digits), `remaining` how many keys at or above the threshold are still to be taken.
+    prefix = 0
+    remaining = top
+    for level in tl.static_range(4):  # the digit at bit 24 - 8 * level
+        counts = tl.zeros([256], tl.int32)
+        for start in range(0, span, BLOCK):
+            offsets = start + tl.arange(0, BLOCK)
+            valid = offsets < span
+            keys = _order_keys(row, offsets, valid)
+            if level > 0:
+                valid = valid & (_high_digits(keys, 24 - 8 * level) == prefix)
+            counts += tl.histogram(_digit(keys, 24 - 8 * level), 256, mask=valid)
+        # Keys at or above each digit; the threshold's digit is the highest one with `remaining` of them.
+        at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts
+        digit = tl.sum((at_or_above >= remaining).to(tl.int32)) - 1
+        remaining -= tl.sum(tl.where(bins > digit, counts, 0))
+        prefix = prefix * 256 + digit
+    threshold = (prefix ^ -2147483648).to(tl.int32)  # back from unsigned digits to a signed key
+
+    # 2. The top keys' positions in ascending order: every key above the threshold and the first `remaining`
+    # equal to it.
+    taken = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for start in range(0, span, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        valid = offsets < span
+        keys = _order_keys(row, offsets, valid)
+        equal = (valid & (keys == threshold)).to(tl.int32)
+        tie_rank = ties + tl.cumsum(equal, 0) - equal
+        take = ((valid & (keys > threshold)) | ((equal > 0) & (tie_rank < remaining))).to(tl.int32)
+        slots = taken + tl.cumsum(take, 0) - take
+        tl.store(out + slots, offsets, mask=take > 0)
+        taken += tl.sum(take)
+        ties += tl.sum(equal)
+
+    # 3. The recent window `[context - recent, context)` after them, then unused entries.
+    for start in range(0, width, BLOCK):
+        columns = start + tl.arange(0, BLOCK)
+        positions = tl.where(columns < budget, context - recent + (columns - top), UNUSED)
+        tl.store(out + columns, positions, mask=(columns >= top) & (columns < width))
+
+
+def select_index_views(
+    scores: torch.Tensor,
+    segments: torch.Tensor,
+    history_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    budgets: torch.Tensor,
+    width: int,
+) -> torch.Tensor:
+    """Triton version of `reference.select_index_views` (same arguments and result, ties broken the same way)."""
+    num_layers, _, num_kv_heads, _ = scores.shape
+    num_segments = segments.shape[0]
+    out = torch.empty(num_layers, num_segments, num_kv_heads, width, dtype=torch.int32, device=scores.device)
+    if num_segments == 0 or width == 0:
+        return out
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    device = scores.device
+    metadata = [t.to(device, torch.int32).contiguous() for t in (segments, history_lens, context_lens, budgets)]
+    _select_views_kernel[(num_layers * num_segments, num_kv_heads)](
+        scores, *metadata, out, num_segments, width,
+        scores.stride(0), scores.stride(1), scores.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        UNUSED=UNUSED_POSITION, BLOCK=BLOCK, num_warps=4,
+    )
+    return out
+
+
+KERNELS = (_select_views_kernel,)
