@@ -89,7 +89,7 @@
 #                with TF32 products at 16 and 32 rows, 3K context, the sparse kernel's own splits and unsplit)
 #   view-refresh the index-view refresh: select_index_views against the torch.topk path it replaced, at the SmolLM2
 #                and Qwen3-1.7B shapes (exactness and time), then S3R rounds refreshing every round on the Qwen3-1.7B
-#                shape with each path (tools/view_refresh.py; VIEW_ARGS replaces its arguments, default --engine)
+#                shape with each path (tools/view_refresh.py; VIEW_ARGS replaces its arguments, default --sweep --engine)
 #   kv-pressure  the paper's Table 2: long rollouts from short prompts on the Qwen3-1.7B shape (forced acceptance), the
 #                KV pool at half the peak need; engine AR, S3R with offload at fixed limits 128/160/256, S3R with AIMD,
 #                lockstep and mixed-stage steps (tools/kv_pressure.py; KVP_ARGS adds its options, KVP_TIMEOUT 540 s)
@@ -353,7 +353,7 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     ;;
   view-refresh)
     # shellcheck disable=SC2086  # VIEW_ARGS is a list of options
-    timeout ${VIEW_TIMEOUT:-420} python3 tools/view_refresh.py ${VIEW_ARGS:---engine} --json "$OUT/view_refresh.json" 2>&1 \
+    timeout ${VIEW_TIMEOUT:-420} python3 tools/view_refresh.py ${VIEW_ARGS:---sweep --engine} --json "$OUT/view_refresh.json" 2>&1 \
       | grep -v -i warn | tee "$OUT/view_refresh.log" | tail -20
     ;;
   rollout)

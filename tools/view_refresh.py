@@ -6,7 +6,7 @@ at context S, 5% budgets) and checks that the Triton views equal the reference's
 S3R rounds of the Qwen3-1.7B shape that refresh every round (forced acceptance), once with each path, in one
 process, with engine AR for scale.
 
-    python tools/view_refresh.py [--engine] [--json out.json]
+    python tools/view_refresh.py [--sweep] [--engine] [--json out.json]
 """
 
 from __future__ import annotations
@@ -87,6 +87,32 @@ def kernel_point(backend, name, layers, heads, batch, context, generator) -> dic
     return point
 
 
+def sweep_point(name, layers, heads, batch, context, generator) -> list[dict]:
+    """The kernel alone at other launch settings (`view_select_triton.LAUNCH`), each checked against the reference."""
+    from s3r_hf.kernels import view_select_triton
+
+    scores = torch.softmax(torch.randn(layers, batch, heads, context, device="cuda", generator=generator) * 2.0, -1)
+    history = torch.full((batch,), context - BLOCK, device="cuda")
+    contexts = history + 4
+    budgets = torch.clamp((contexts.float() * 0.05).ceil().long(), min=64)
+    width = math.ceil(0.05 * context) + BLOCK
+    args = (scores, torch.arange(batch, device="cuda"), history, contexts, budgets, width)
+    expected = reference.select_index_views(*args)
+    chosen, rows = view_select_triton.LAUNCH, []
+    try:
+        for launch in [(1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (512, 4)]:
+            view_select_triton.LAUNCH = launch
+            equal = bool(torch.equal(view_select_triton.select_index_views(*args), expected))
+            ms = _time_ms(lambda: view_select_triton.select_index_views(*args))
+            rows.append({"model": name, "batch": batch, "context": context, "block": launch[0],
+                         "warps": launch[1], "equal_to_reference": equal, "kernel_ms": ms})
+            print(f"  sweep {name} B={batch} S={context}: block {launch[0]:5d}, {launch[1]} warps: {ms:.3f} ms "
+                  f"(equal: {equal})", flush=True)
+    finally:
+        view_select_triton.LAUNCH = chosen
+    return rows
+
+
 def engine_ab(reps: int) -> dict:
     """S3R rounds that refresh every round, with each refresh path, and engine AR, at the Qwen3-1.7B shape."""
     from s3r_hf.bench import build_model, random_prompts, time_engine
@@ -139,6 +165,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--engine", action="store_true", help="also the Qwen3-1.7B engine A/B (part 2)")
     parser.add_argument("--engine-reps", type=int, default=2)
+    parser.add_argument("--sweep", action="store_true", help="also time the kernel at other launch settings")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     from s3r_hf.kernels import triton_backend
@@ -153,6 +180,8 @@ def main() -> None:
               f"{row['torch_path_ms']:10.3f} | {row['triton_path_ms']:11.3f} | {row['stack_ms']:5.3f} | "
               f"{row['kernel_ms']:6.3f} | {row['scores_read_floor_ms']:.3f}   (torch path rows differing: "
               f"{row['torch_path_rows_differing']})", flush=True)
+    if args.sweep:
+        results["sweep"] = [row for point in (POINTS[0], POINTS[3]) for row in sweep_point(*point, generator)]
     if args.engine:
         results["engine"] = engine_ab(args.engine_reps)
         print("engine, Qwen3-1.7B shape, B=64, S=8K, refresh every round, ms per step:",

@@ -23,7 +23,8 @@ import triton.language as tl
 
 from s3r_hf.kernels.reference import UNUSED_POSITION
 
-BLOCK = 1024  # scores a program reads per step of a pass
+# `(scores a program reads per step of a pass, warps)`; `tools/view_refresh.py --sweep` times others.
+LAUNCH = (1024, 4)
 
 
 @triton.jit
@@ -135,7 +136,7 @@ def select_index_views(
     _select_views_kernel[(num_layers * num_segments, num_kv_heads)](
         scores, *metadata, out, num_segments, width,
         scores.stride(0), scores.stride(1), scores.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        UNUSED=UNUSED_POSITION, BLOCK=BLOCK, num_warps=4,
+        UNUSED=UNUSED_POSITION, BLOCK=LAUNCH[0], num_warps=LAUNCH[1],
     )
     return out
 
