@@ -104,7 +104,7 @@ def _select_views_kernel(
         tie_rank = ties + tl.cumsum(equal, 0) - equal
         take = ((valid & (keys > threshold)) | ((equal > 0) & (tie_rank < remaining))).to(tl.int32)
         slots = taken + tl.cumsum(take, 0) - take
-        tl.store(out + slots, offsets, mask=take > 0)
+        tl.store(out + slots, offsets, mask=(take > 0) & (slots < top))  # `top` are taken: the bound is a guard
         taken += tl.sum(take)
         ties += tl.sum(equal)
 
