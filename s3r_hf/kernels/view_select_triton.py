@@ -12,7 +12,8 @@ window in another sort. Here one program per (layer, segment, KV head) does all 
 3. the recent window after them, and `UNUSED_POSITION` up to the width.
 
 The top-K and the recent window never overlap (candidates lie below the history length, the window at or above
-it), so the view is their concatenation. A row of a few thousand scores stays in L2 between the passes.
+it), so the view is their concatenation. The passes after the first read their row from L2: a row of 8K scores
+is 32 KB, and the rows of all the programs an H100 or H200 holds at once fit its L2.
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ def _select_views_kernel(
     stride_sl, stride_ss, stride_sh, stride_ol, stride_os, stride_oh,
     UNUSED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    layer = tl.program_id(0) // num_segments
-    index = tl.program_id(0) % num_segments
-    head = tl.program_id(1)
+    # Offsets in int64: every layer's scores of a long-context batch pass 2**31 elements.
+    layer = (tl.program_id(0) // num_segments).to(tl.int64)
+    index = (tl.program_id(0) % num_segments).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
     segment = tl.load(segments_ptr + index).to(tl.int64)
     history = tl.load(history_ptr + index).to(tl.int32)
     context = tl.load(context_ptr + index).to(tl.int32)
