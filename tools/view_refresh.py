@@ -127,7 +127,7 @@ def engine_ab(reps: int) -> dict:
         slots = self.runner.tensor([r.slot for r in requests])
         history = plan.dense.history_lens
         budgets = self.config.budgets(contexts)
-        scores = self.runner.take_scores(plan)
+        scores = self.runner.stacked_scores(plan)
         layers, num_segments, heads, _ = scores.shape
         candidates = triton_backend.select_topk_candidates(
             scores.flatten(0, 1), history.repeat(layers), plan.dense.num_candidates

@@ -122,14 +122,13 @@ class ModelRunner:
     def capture_seconds(self) -> float:
         return self.graphs.capture_seconds if self.graphs is not None else 0.0
 
-    def take_scores(self, plan: StepPlan) -> torch.Tensor:
+    def stacked_scores(self, plan: StepPlan) -> torch.Tensor:
         """Every layer's verify scores of the plan's forward, `[num_layers, Sd, Hkv, ctx]`, in one tensor for one
-        batched view refresh; taken once (the per-layer scores are released)."""
+        batched view refresh. A mixed step refreshes twice from one plan (its verify blocks' views, then those of
+        the prompts it finished), so the per-layer scores stay with the plan."""
         if len(plan.scores) != self.num_layers:
             raise RuntimeError(f"the plan holds verify scores of {len(plan.scores)} of {self.num_layers} layers")
-        scores = torch.stack([plan.scores[layer] for layer in range(self.num_layers)])
-        plan.scores = {}
-        return scores
+        return torch.stack([plan.scores[layer] for layer in range(self.num_layers)])
 
     def tensor(self, values: list[int]) -> torch.Tensor:
         return to_device(values, self.device)

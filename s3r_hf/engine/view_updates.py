@@ -63,6 +63,6 @@ class IndexViewUpdates:
         slots = self.runner.tensor([r.slot for r in requests])
         history = plan.dense.history_lens[seg_index]
         budgets = self.config.budgets(contexts)
-        scores = self.runner.take_scores(plan)
+        scores = self.runner.stacked_scores(plan)
         views = get_backend(scores.device).select_index_views(scores, seg_index, history, contexts, budgets, width)
         self.cache.index_views.store(None, slots, views, budgets)
