@@ -65,8 +65,12 @@ def test_reference_views_match_their_definition(kind):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("launch", [None, (1024, 256, 4)], ids=["default", "long-rows-by-radix"])
 @pytest.mark.parametrize("kind", ["random", "ties", "signed"])
-def test_triton_views_match_the_reference(kind):
+def test_triton_views_match_the_reference(kind, launch, monkeypatch):
+    """Rows held in registers (bisection) and, where a row is longer than `ROW`, read in blocks (radix passes)."""
+    if launch is not None:
+        monkeypatch.setattr(view_select, "LAUNCH", launch)
     generator = torch.Generator().manual_seed(1)
     history, contexts, budgets = (torch.tensor([row[i] for row in SEGMENTS]) for i in range(3))
     layers, heads, length = 2, 2, 2512

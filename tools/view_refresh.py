@@ -100,14 +100,14 @@ def sweep_point(name, layers, heads, batch, context, generator) -> list[dict]:
     expected = reference.select_index_views(*args)
     chosen, rows = view_select_triton.LAUNCH, []
     try:
-        for launch in [(1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (512, 4)]:
+        for launch in [(8192, 1024, 8), (8192, 1024, 16), (8192, 512, 8), (4096, 1024, 4), (16384, 1024, 16)]:
             view_select_triton.LAUNCH = launch
             equal = bool(torch.equal(view_select_triton.select_index_views(*args), expected))
             ms = _time_ms(lambda: view_select_triton.select_index_views(*args))
-            rows.append({"model": name, "batch": batch, "context": context, "block": launch[0],
-                         "warps": launch[1], "equal_to_reference": equal, "kernel_ms": ms})
-            print(f"  sweep {name} B={batch} S={context}: block {launch[0]:5d}, {launch[1]} warps: {ms:.3f} ms "
-                  f"(equal: {equal})", flush=True)
+            rows.append({"model": name, "batch": batch, "context": context, "row": launch[0], "block": launch[1],
+                         "warps": launch[2], "equal_to_reference": equal, "kernel_ms": ms})
+            print(f"  sweep {name} B={batch} S={context}: row {launch[0]:5d}, block {launch[1]:4d}, {launch[2]:2d} "
+                  f"warps: {ms:.3f} ms (equal: {equal})", flush=True)
     finally:
         view_select_triton.LAUNCH = chosen
     return rows
@@ -115,6 +115,7 @@ def sweep_point(name, layers, heads, batch, context, generator) -> list[dict]:
 
 def engine_ab(reps: int) -> dict:
     """S3R rounds that refresh every round, with each refresh path, and engine AR, at the Qwen3-1.7B shape."""
+    from s3r_hf import enable
     from s3r_hf.bench import build_model, random_prompts, time_engine
     from s3r_hf.config import S3RConfig
     from s3r_hf.engine.view_updates import IndexViewUpdates
@@ -134,7 +135,7 @@ def engine_ab(reps: int) -> dict:
         ).view(layers, num_segments, heads, -1)[:, seg_index]
         self.cache.index_views.build(None, slots, candidates, history[seg_index], contexts, budgets, width=width)
 
-    model, _ = build_model("qwen3-1.7b", torch.bfloat16, "cuda")
+    model = enable(build_model("qwen3-1.7b", torch.bfloat16, "cuda")[0])
     batch, seq, new_tokens = 64, 8192, 64
     input_ids = random_prompts(model.config.vocab_size, batch, seq).cuda()
     base = S3RConfig(page_size=16, cuda_graphs=True, compile_layers=True, concurrency_min=batch,
@@ -181,7 +182,8 @@ def main() -> None:
               f"{row['kernel_ms']:6.3f} | {row['scores_read_floor_ms']:.3f}   (torch path rows differing: "
               f"{row['torch_path_rows_differing']})", flush=True)
     if args.sweep:
-        results["sweep"] = [row for point in (POINTS[0], POINTS[3]) for row in sweep_point(*point, generator)]
+        points = (POINTS[0], POINTS[3], POINTS[4])
+        results["sweep"] = [row for point in points for row in sweep_point(*point, generator)]
     if args.engine:
         results["engine"] = engine_ab(args.engine_reps)
         print("engine, Qwen3-1.7B shape, B=64, S=8K, refresh every round, ms per step:",

@@ -4,16 +4,18 @@ The torch path stacks every layer's verify scores, masks the positions past each
 radix select with several passes and a sort of the kept scores) and then merges the candidates with the recent
 window in another sort. Here one program per (layer, segment, KV head) does all of it over its row of scores:
 
-1. a radix select of the `top`-th largest score, eight bits at a time over the scores' order-preserving integer
-   keys, in four passes over the row (a histogram of the next digit among the keys whose higher digits match);
+1. the `top`-th largest score, found over the scores' order-preserving integer keys: for a row of up to `ROW`
+   scores, held in registers, by a bisection of the key range (each step one compare and one sum per key); for
+   a longer row, read in blocks, by a radix select, eight bits a pass (a histogram of the next digit among the
+   keys whose higher digits match; a histogram costs far more per key than a compare, hence the bisection where
+   the row fits);
 2. one more pass that writes the positions of the keys above that threshold, and of the first keys equal to it
    (lower positions first, as the reference's stable sort breaks ties), in ascending order: the order a view
    keeps, so no sort is needed;
 3. the recent window after them, and `UNUSED_POSITION` up to the width.
 
 The top-K and the recent window never overlap (candidates lie below the history length, the window at or above
-it), so the view is their concatenation. The passes after the first read their row from L2: a row of 8K scores
-is 32 KB, and the rows of all the programs an H100 or H200 holds at once fit its L2.
+it), so the view is their concatenation.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import triton.language as tl
 
 from s3r_hf.kernels.reference import UNUSED_POSITION
 
-# `(scores a program reads per step of a pass, warps)`; `tools/view_refresh.py --sweep` times others.
-LAUNCH = (1024, 4)
+# `(ROW, BLOCK, warps)`: rows of up to ROW scores are held in registers, longer ones read BLOCK scores at a time;
+# `tools/view_refresh.py --sweep` times other settings.
+LAUNCH = (8192, 1024, 8)
 
 
 @triton.jit
@@ -52,12 +55,77 @@ def _high_digits(keys, SHIFT: tl.constexpr):
     return ((keys >> (SHIFT + 8)) & ((1 << (24 - SHIFT)) - 1)) ^ (1 << (23 - SHIFT))
 
 
+@triton.jit
+def _threshold_in_registers(row_ptr, span, top, ROW: tl.constexpr):
+    """`(threshold key, how many keys equal to it to take)` of a row of at most `ROW` scores, held in registers:
+    a bisection over the key range, each step one compare and one sum per key (no reload, no histogram)."""
+    offsets = tl.arange(0, ROW)
+    valid = offsets < span
+    keys = _order_keys(row_ptr, offsets, valid)
+    # The answer is the largest key value with at least `top` keys at or above it: `low` always has them.
+    low = tl.min(tl.where(valid, keys, 2147483647)).to(tl.int64)
+    # Past the row, the lowest key: below every `middle` (> low), so never counted. Only `keys` stays live in the
+    # loop (registers set how many programs an SM holds).
+    keys = tl.where(valid, keys, -2147483648)
+    high = tl.max(keys).to(tl.int64)
+    while low < high:
+        middle = high - (high - low) // 2  # int64: the key range may span 2**32
+        if tl.sum((keys >= middle.to(tl.int32)).to(tl.int32)) >= top:
+            low = middle
+        else:
+            high = middle - 1
+    threshold = low.to(tl.int32)
+    return threshold, top - tl.sum((keys > threshold).to(tl.int32))
+
+
+@triton.jit
+def _threshold_by_radix(row_ptr, span, top, BLOCK: tl.constexpr):
+    """The same for rows of any length, read `BLOCK` scores at a time: a radix select, a digit of eight bits per
+    pass over the row from the highest (a histogram of the next digit among the keys whose higher digits match)."""
+    bins = tl.arange(0, 256)
+    prefix = 0  # the digits found so far, as unsigned digits
+    remaining = top  # keys at or above the threshold still to be taken
+    for level in tl.static_range(4):  # the digit at bit 24 - 8 * level
+        counts = tl.zeros([256], tl.int32)
+        for start in range(0, span, BLOCK):
+            offsets = start + tl.arange(0, BLOCK)
+            valid = offsets < span
+            keys = _order_keys(row_ptr, offsets, valid)
+            if level > 0:
+                valid = valid & (_high_digits(keys, 24 - 8 * level) == prefix)
+            counts += tl.histogram(_digit(keys, 24 - 8 * level), 256, mask=valid)
+        # Keys at or above each digit; the threshold's digit is the highest one with `remaining` of them.
+        at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts
+        digit = tl.sum((at_or_above >= remaining).to(tl.int32)) - 1
+        remaining -= tl.sum(tl.where(bins > digit, counts, 0))
+        prefix = prefix * 256 + digit
+    return (prefix ^ -2147483648).to(tl.int32), remaining  # back from unsigned digits to a signed key
+
+
+@triton.jit
+def _write_top(row_ptr, out_ptr, span, top, threshold, remaining, CHUNK: tl.constexpr):
+    """The positions of every key above `threshold` and of the first `remaining` equal to it, ascending."""
+    taken = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for start in range(0, span, CHUNK):
+        offsets = start + tl.arange(0, CHUNK)
+        valid = offsets < span
+        keys = _order_keys(row_ptr, offsets, valid)
+        equal = (valid & (keys == threshold)).to(tl.int32)
+        tie_rank = ties + tl.cumsum(equal, 0) - equal
+        take = ((valid & (keys > threshold)) | ((equal > 0) & (tie_rank < remaining))).to(tl.int32)
+        slots = taken + tl.cumsum(take, 0) - take
+        tl.store(out_ptr + slots, offsets, mask=(take > 0) & (slots < top))  # `top` are taken: the bound is a guard
+        taken += tl.sum(take)
+        ties += tl.sum(equal)
+
+
 @triton.jit(do_not_specialize=["num_segments", "width", "stride_sl", "stride_ss", "stride_sh", "stride_ol",
                                "stride_os", "stride_oh"])
 def _select_views_kernel(
     scores_ptr, segments_ptr, history_ptr, context_ptr, budget_ptr, out_ptr, num_segments, width,
     stride_sl, stride_ss, stride_sh, stride_ol, stride_os, stride_oh,
-    UNUSED: tl.constexpr, BLOCK: tl.constexpr,
+    UNUSED: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Offsets in int64: every layer's scores of a long-context batch pass 2**31 elements.
     layer = (tl.program_id(0) // num_segments).to(tl.int64)
@@ -72,43 +140,14 @@ def _select_views_kernel(
     row = scores_ptr + layer * stride_sl + segment * stride_ss + head * stride_sh
     out = out_ptr + layer * stride_ol + index * stride_os + head * stride_oh
     span = tl.where(top > 0, history, 0)  # a view of the recent window alone reads no scores
-    bins = tl.arange(0, 256)
 
-    # 1. The `top`-th largest key, a digit per pass from the highest: `prefix` holds the digits found so far (as
-    # unsigned digits), `remaining` how many keys at or above the threshold are still to be taken.
-    prefix = 0
-    remaining = top
-    for level in tl.static_range(4):  # the digit at bit 24 - 8 * level
-        counts = tl.zeros([256], tl.int32)
-        for start in range(0, span, BLOCK):
-            offsets = start + tl.arange(0, BLOCK)
-            valid = offsets < span
-            keys = _order_keys(row, offsets, valid)
-            if level > 0:
-                valid = valid & (_high_digits(keys, 24 - 8 * level) == prefix)
-            counts += tl.histogram(_digit(keys, 24 - 8 * level), 256, mask=valid)
-        # Keys at or above each digit; the threshold's digit is the highest one with `remaining` of them.
-        at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts
-        digit = tl.sum((at_or_above >= remaining).to(tl.int32)) - 1
-        remaining -= tl.sum(tl.where(bins > digit, counts, 0))
-        prefix = prefix * 256 + digit
-    threshold = (prefix ^ -2147483648).to(tl.int32)  # back from unsigned digits to a signed key
-
-    # 2. The top keys' positions in ascending order: every key above the threshold and the first `remaining`
-    # equal to it.
-    taken = tl.zeros([], tl.int32)
-    ties = tl.zeros([], tl.int32)
-    for start in range(0, span, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        valid = offsets < span
-        keys = _order_keys(row, offsets, valid)
-        equal = (valid & (keys == threshold)).to(tl.int32)
-        tie_rank = ties + tl.cumsum(equal, 0) - equal
-        take = ((valid & (keys > threshold)) | ((equal > 0) & (tie_rank < remaining))).to(tl.int32)
-        slots = taken + tl.cumsum(take, 0) - take
-        tl.store(out + slots, offsets, mask=(take > 0) & (slots < top))  # `top` are taken: the bound is a guard
-        taken += tl.sum(take)
-        ties += tl.sum(equal)
+    # 1. The `top`-th largest key, and how many of the keys equal to it are taken (lower positions first);
+    # 2. the top keys' positions, in ascending order.
+    if span <= ROW:
+        threshold, remaining = _threshold_in_registers(row, span, top, ROW)
+    else:
+        threshold, remaining = _threshold_by_radix(row, span, top, BLOCK)
+    _write_top(row, out, span, top, threshold, remaining, BLOCK)  # `BLOCK` at a time: fewer registers than ROW
 
     # 3. The recent window `[context - recent, context)` after them, then unused entries.
     for start in range(0, width, BLOCK):
@@ -138,7 +177,7 @@ def select_index_views(
     _select_views_kernel[(num_layers * num_segments, num_kv_heads)](
         scores, *metadata, out, num_segments, width,
         scores.stride(0), scores.stride(1), scores.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        UNUSED=UNUSED_POSITION, BLOCK=LAUNCH[0], num_warps=LAUNCH[1],
+        UNUSED=UNUSED_POSITION, ROW=LAUNCH[0], BLOCK=LAUNCH[1], num_warps=LAUNCH[2],
     )
     return out
 
