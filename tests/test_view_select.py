@@ -70,7 +70,7 @@ def test_reference_views_match_their_definition(kind):
 def test_triton_views_match_the_reference(kind, launch, monkeypatch):
     """Rows held in registers (bisection) and, where a row is longer than `ROW`, read in blocks (radix passes)."""
     if launch is not None:
-        monkeypatch.setattr(view_select, "LAUNCH", launch)
+        monkeypatch.setattr(view_select, "LAUNCH_OVERRIDE", launch)
     generator = torch.Generator().manual_seed(1)
     history, contexts, budgets = (torch.tensor([row[i] for row in SEGMENTS]) for i in range(3))
     layers, heads, length = 2, 2, 2512
@@ -109,3 +109,10 @@ def test_stored_views_equal_views_built_from_candidates():
     assert torch.equal(built.lengths, stored.lengths)
     for slot, budget in zip(slots.tolist(), budgets.tolist()):
         assert torch.equal(built.positions[:, slot, :, :budget], stored.positions[:, slot, :, :budget])
+
+
+def test_launch_settings_follow_the_scores_length():
+    """Rows are held in registers up to 4K, 8K and 16K scores: three kernel variants whatever the contexts."""
+    assert view_select._launch(48)[0] == view_select._launch(4096)[0] == 4096
+    assert view_select._launch(4097)[0] == view_select._launch(8192)[0] == 8192
+    assert view_select._launch(8193)[0] == view_select._launch(10**6)[0] == 16384

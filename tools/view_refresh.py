@@ -88,7 +88,8 @@ def kernel_point(backend, name, layers, heads, batch, context, generator) -> dic
 
 
 def sweep_point(name, layers, heads, batch, context, generator) -> list[dict]:
-    """The kernel alone at other launch settings (`view_select_triton.LAUNCH`), each checked against the reference."""
+    """The kernel alone at other launch settings (`view_select_triton.LAUNCH_OVERRIDE`), each checked against the
+    reference."""
     from s3r_hf.kernels import view_select_triton
 
     scores = torch.softmax(torch.randn(layers, batch, heads, context, device="cuda", generator=generator) * 2.0, -1)
@@ -98,10 +99,10 @@ def sweep_point(name, layers, heads, batch, context, generator) -> list[dict]:
     width = math.ceil(0.05 * context) + BLOCK
     args = (scores, torch.arange(batch, device="cuda"), history, contexts, budgets, width)
     expected = reference.select_index_views(*args)
-    chosen, rows = view_select_triton.LAUNCH, []
+    chosen, rows = view_select_triton.LAUNCH_OVERRIDE, []
     try:
         for launch in [(8192, 1024, 8), (8192, 1024, 16), (8192, 512, 8), (4096, 1024, 4), (16384, 1024, 16)]:
-            view_select_triton.LAUNCH = launch
+            view_select_triton.LAUNCH_OVERRIDE = launch
             equal = bool(torch.equal(view_select_triton.select_index_views(*args), expected))
             ms = _time_ms(lambda: view_select_triton.select_index_views(*args))
             rows.append({"model": name, "batch": batch, "context": context, "row": launch[0], "block": launch[1],
@@ -109,7 +110,7 @@ def sweep_point(name, layers, heads, batch, context, generator) -> list[dict]:
             print(f"  sweep {name} B={batch} S={context}: row {launch[0]:5d}, block {launch[1]:4d}, {launch[2]:2d} "
                   f"warps: {ms:.3f} ms (equal: {equal})", flush=True)
     finally:
-        view_select_triton.LAUNCH = chosen
+        view_select_triton.LAUNCH_OVERRIDE = chosen
     return rows
 
 

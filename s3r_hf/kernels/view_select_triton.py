@@ -26,9 +26,18 @@ import triton.language as tl
 
 from s3r_hf.kernels.reference import UNUSED_POSITION
 
-# `(ROW, BLOCK, warps)`: rows of up to ROW scores are held in registers, longer ones read BLOCK scores at a time;
-# `tools/view_refresh.py --sweep` times other settings.
-LAUNCH = (8192, 1024, 8)
+# `(ROW, BLOCK, warps)` by the scores' length: rows of up to ROW scores are held in registers (a bisection step
+# costs each key, so ROW is as short as the rows allow), longer ones read BLOCK scores at a time. The fastest
+# settings of `tools/view_refresh.py --sweep` at 4K, 8K and 16K (docs/benchmarks.md, "Kernel launch settings").
+LAUNCHES = ((4096, (4096, 1024, 4)), (8192, (8192, 1024, 8)), (None, (16384, 1024, 16)))
+LAUNCH_OVERRIDE: tuple[int, int, int] | None = None  # replaces the choice (`tools/view_refresh.py --sweep`)
+
+
+def _launch(length: int) -> tuple[int, int, int]:
+    """`(ROW, BLOCK, warps)` for rows of up to `length` scores: three variants at most, whatever the contexts."""
+    if LAUNCH_OVERRIDE is not None:
+        return LAUNCH_OVERRIDE
+    return next(launch for longest, launch in LAUNCHES if longest is None or length <= longest)
 
 
 @triton.jit
@@ -174,10 +183,11 @@ def select_index_views(
         scores = scores.contiguous()
     device = scores.device
     metadata = [t.to(device, torch.int32).contiguous() for t in (segments, history_lens, context_lens, budgets)]
+    row, block, warps = _launch(scores.shape[-1])  # the scores' length bounds every history
     _select_views_kernel[(num_layers * num_segments, num_kv_heads)](
         scores, *metadata, out, num_segments, width,
         scores.stride(0), scores.stride(1), scores.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        UNUSED=UNUSED_POSITION, ROW=LAUNCH[0], BLOCK=LAUNCH[1], num_warps=LAUNCH[2],
+        UNUSED=UNUSED_POSITION, ROW=row, BLOCK=block, num_warps=warps,
     )
     return out
 
