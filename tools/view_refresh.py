@@ -114,7 +114,7 @@ def sweep_point(name, layers, heads, batch, context, generator) -> list[dict]:
     return rows
 
 
-def engine_ab(reps: int) -> dict:
+def engine_ab(reps: int, new_tokens: int) -> dict:
     """S3R rounds that refresh every round, with each refresh path, and engine AR, at the Qwen3-1.7B shape."""
     from s3r_hf import enable
     from s3r_hf.bench import build_model, random_prompts, time_engine
@@ -137,7 +137,7 @@ def engine_ab(reps: int) -> dict:
         self.cache.index_views.build(None, slots, candidates, history[seg_index], contexts, budgets, width=width)
 
     model = enable(build_model("qwen3-1.7b", torch.bfloat16, "cuda")[0])
-    batch, seq, new_tokens = 64, 8192, 64
+    batch, seq = 64, 8192
     input_ids = random_prompts(model.config.vocab_size, batch, seq).cuda()
     base = S3RConfig(page_size=16, cuda_graphs=True, compile_layers=True, concurrency_min=batch,
                      concurrency_max=batch)
@@ -166,7 +166,8 @@ def engine_ab(reps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--engine", action="store_true", help="also the Qwen3-1.7B engine A/B (part 2)")
-    parser.add_argument("--engine-reps", type=int, default=2)
+    parser.add_argument("--engine-reps", type=int, default=3)
+    parser.add_argument("--engine-tokens", type=int, default=128, help="new tokens per engine call")
     parser.add_argument("--sweep", action="store_true", help="also time the kernel at other launch settings")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -186,7 +187,7 @@ def main() -> None:
         points = (POINTS[0], POINTS[3], POINTS[4])
         results["sweep"] = [row for point in points for row in sweep_point(*point, generator)]
     if args.engine:
-        results["engine"] = engine_ab(args.engine_reps)
+        results["engine"] = engine_ab(args.engine_reps, args.engine_tokens)
         print("engine, Qwen3-1.7B shape, B=64, S=8K, refresh every round, ms per step:",
               json.dumps({k: v for k, v in results["engine"].items() if k != "runs"}), flush=True)
     if args.json:
