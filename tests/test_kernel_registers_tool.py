@@ -27,3 +27,18 @@ def test_the_unsplit_logit_storing_verify_fits_four_programs_per_sm(tmp_path):
         assert 16 <= usage["registers"] <= 255 and usage["shared"] > 0 and usage["programs_per_sm"] >= 1, usage
     assert whole["registers"] <= 128 and whole["programs_per_sm"] >= 4, whole
     assert whole["registers"] <= split["registers"], (whole, split)
+
+
+def test_the_view_select_kernel_keeps_its_warps_in_flight(tmp_path):
+    """Each register-row variant of the index-view kernel, as `_launch` picks it for 4K, 8K and 16K scores, keeps 16
+    warps or more in flight per SM, with nothing spilled: the output pass over the register row at once (its scans'
+    arrays beside the row) took 202 registers at 8K, one program of eight warps per SM; in blocks it takes 76,
+    three programs."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    out = tmp_path / "registers.json"
+    subprocess.run([sys.executable, str(TOOL), "--shapes", "qwen3-1.7b-bf16", "--kinds", "view-select",
+                    "--json", str(out)], env=env, check=True, capture_output=True, timeout=300)
+    rows = {row["keys"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"4096", "8192", "16384"}
+    for usage in rows.values():
+        assert usage["stack"] == 0 and usage["programs_per_sm"] * usage["warps"] >= 16, usage

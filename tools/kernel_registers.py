@@ -1,4 +1,5 @@
-"""Registers, spill stack and shared memory of the attention kernels, compiled for a GPU architecture without a GPU.
+"""Registers, spill stack and shared memory of the attention kernels and the index-view kernel (`view-select`, by
+the scores' length it is launched for), compiled for a GPU architecture without a GPU.
 
 Triton compiles a kernel ahead of time for a target (here sm_90, the H100/H200) with the ptxas it ships, and
 `cuobjdump` reads the registers from the cubin. Registers set how many programs an SM holds at once: at 128 threads
@@ -33,13 +34,14 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from s3r_hf.kernels import triton_backend as tb  # noqa: E402
+from s3r_hf.kernels import view_select_triton as vs  # noqa: E402
 
 SHAPES = {  # heads, KV heads, head dim, bytes per element
     "qwen3-1.7b-bf16": (16, 8, 128, 2),
     "smollm2-135m-bf16": (9, 3, 64, 2),
     "smollm2-135m-fp32": (9, 3, 64, 4),
 }
-KINDS = ("decode", "verify", "verify-logits", "sparse")
+KINDS = ("decode", "verify", "verify-logits", "sparse", "view-select")
 DRAFT_LEN = 6
 PAGE_SIZE = 16
 
@@ -57,7 +59,7 @@ def _signature(fn, constants: dict, element_size: int) -> tuple[dict, dict, dict
             if name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr"):
                 signature[name] = data
             else:
-                signature[name] = "*fp32" if name in ("lse_ptr", "logit_ptr") else "*i32"
+                signature[name] = "*fp32" if name in ("lse_ptr", "logit_ptr", "scores_ptr") else "*i32"
         else:
             signature[name] = "fp32" if name == "scale" else "i32"
     aligned = [
@@ -78,6 +80,10 @@ def _kernel(shape: str, kind: str, keys: str) -> tuple:
     launch passes them (`triton_backend.sparse_constants` / `dense_constants`)."""
     heads, kv_heads, head_dim, element_size = SHAPES[shape]
     group, dtype = heads // kv_heads, torch.bfloat16 if element_size == 2 else torch.float32
+    if kind == "view-select":  # the same kernel at every shape; `keys`: the scores' length it is chosen for
+        row, block, warps = vs._launch(int(keys))
+        constants = {"UNUSED": vs.UNUSED_POSITION, "ROW": row, "BLOCK": block, "num_warps": warps, "num_stages": 3}
+        return vs._select_views_kernel, constants
     if kind == "sparse":
         return tb._sparse_decode_kernel, tb.sparse_constants(group, head_dim, PAGE_SIZE, dtype)
     stores = kind == "verify-logits"
@@ -106,7 +112,7 @@ def resources(shape: str, kind: str, keys: str = "split", arch: int = 90) -> dic
     # An SM holds 64K registers, allocated in steps of eight per thread, and about 227 KiB of shared memory.
     by_registers = 65536 // (32 * options["num_warps"] * (-(-registers // 8) * 8))
     return {
-        "registers": registers, "stack": int(match.group(2)), "shared": shared,
+        "registers": registers, "stack": int(match.group(2)), "shared": shared, "warps": options["num_warps"],
         "programs_per_sm": min(by_registers, 232448 // max(shared, 1)),
     }
 
@@ -132,7 +138,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for kind in kinds:
             # Only a launch storing logits reads the whole context by a variant of its own (`WHOLE_CONTEXT`); only
             # block graphs (the verify kinds) count live requests; the sparse kernel has one variant.
-            ranges = {"verify-logits": KEY_RANGES, "verify": ("split", "live"), "decode": ("split",)}
+            ranges = {"verify-logits": KEY_RANGES, "verify": ("split", "live"), "decode": ("split",),
+                      "view-select": ("4096", "8192", "16384") if shape == shapes[0] else ()}
             for keys in ranges.get(kind, ("any",)):
                 r = resources(shape, kind, keys, args.arch)
                 rows.append({"shape": shape, "kind": kind, "keys": keys, **r})
