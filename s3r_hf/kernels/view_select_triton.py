@@ -112,8 +112,9 @@ def _threshold_by_radix(row_ptr, span, top, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _write_top(row_ptr, out_ptr, span, top, threshold, remaining, CHUNK: tl.constexpr):
-    """The positions of every key above `threshold` and of the first `remaining` equal to it, ascending."""
+def _write_top(row_ptr, out_ptr, span, limit, threshold, remaining, CHUNK: tl.constexpr):
+    """The positions of every key above `threshold` and of the first `remaining` equal to it, ascending, in the
+    row's first `limit` columns."""
     taken = tl.zeros([], tl.int32)
     ties = tl.zeros([], tl.int32)
     for start in range(0, span, CHUNK):
@@ -124,7 +125,7 @@ def _write_top(row_ptr, out_ptr, span, top, threshold, remaining, CHUNK: tl.cons
         tie_rank = ties + tl.cumsum(equal, 0) - equal
         take = ((valid & (keys > threshold)) | ((equal > 0) & (tie_rank < remaining))).to(tl.int32)
         slots = taken + tl.cumsum(take, 0) - take
-        tl.store(out_ptr + slots, offsets, mask=(take > 0) & (slots < top))  # `top` are taken: the bound is a guard
+        tl.store(out_ptr + slots, offsets, mask=(take > 0) & (slots < limit))
         taken += tl.sum(take)
         ties += tl.sum(equal)
 
@@ -156,7 +157,9 @@ def _select_views_kernel(
         threshold, remaining = _threshold_in_registers(row, span, top, ROW)
     else:
         threshold, remaining = _threshold_by_radix(row, span, top, BLOCK)
-    _write_top(row, out, span, top, threshold, remaining, BLOCK)  # `BLOCK` at a time: fewer registers than ROW
+    # `BLOCK` at a time: fewer registers than `ROW`. Exactly `top` are taken; the bound keeps even a wrong
+    # threshold or a budget past the width (a caller's error) from writing past the row.
+    _write_top(row, out, span, tl.minimum(top, width), threshold, remaining, BLOCK)
 
     # 3. The recent window `[context - recent, context)` after them, then unused entries.
     for start in range(0, width, BLOCK):
