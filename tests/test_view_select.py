@@ -116,3 +116,24 @@ def test_launch_settings_follow_the_scores_length():
     assert view_select._launch(48)[0] == view_select._launch(4096)[0] == 4096
     assert view_select._launch(4097)[0] == view_select._launch(8192)[0] == 8192
     assert view_select._launch(8193)[0] == view_select._launch(10**6)[0] == 16384
+
+
+def test_a_refresh_releases_the_plans_scores(monkeypatch):
+    """After its views are rebuilt, a plan drops its per-layer scores (the next forward's would sit beside them),
+    but for a round whose plan also finishes prompts (a mixed step), which refreshes their views from it next."""
+    from s3r_hf import S3RConfig, enable
+    from s3r_hf.engine.view_updates import IndexViewUpdates
+    from tests.conftest import left_padded_batch, tiny_model
+
+    rebuild, after = IndexViewUpdates.rebuild, []
+
+    def recording(self, plan, *args, **kwargs):
+        rebuild(self, plan, *args, **kwargs)
+        after.append((kwargs.get("keep_scores", False), len(plan.scores)))
+
+    monkeypatch.setattr(IndexViewUpdates, "rebuild", recording)
+    model = enable(tiny_model("llama", seed=5))
+    input_ids, attention_mask = left_padded_batch([9, 23, 15], seed=6)
+    config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4)
+    model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12, s3r_config=config)
+    assert len(after) > 2 and all(kept > 0 if keep else kept == 0 for keep, kept in after), after

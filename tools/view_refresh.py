@@ -124,7 +124,7 @@ def engine_ab(reps: int, new_tokens: int) -> dict:
 
     new_rebuild = IndexViewUpdates.rebuild
 
-    def old_rebuild(self, plan, segments, requests, contexts, width):
+    def old_rebuild(self, plan, segments, requests, contexts, width, keep_scores=False):
         seg_index = self.runner.tensor(segments)
         slots = self.runner.tensor([r.slot for r in requests])
         history = plan.dense.history_lens
@@ -135,6 +135,8 @@ def engine_ab(reps: int, new_tokens: int) -> dict:
             scores.flatten(0, 1), history.repeat(layers), plan.dense.num_candidates
         ).view(layers, num_segments, heads, -1)[:, seg_index]
         self.cache.index_views.build(None, slots, candidates, history[seg_index], contexts, budgets, width=width)
+        if not keep_scores:
+            plan.scores = {}
 
     model = enable(build_model("qwen3-1.7b", torch.bfloat16, "cuda")[0])
     batch, seq = 64, 8192

@@ -124,8 +124,7 @@ class ModelRunner:
 
     def stacked_scores(self, plan: StepPlan) -> torch.Tensor:
         """Every layer's verify scores of the plan's forward, `[num_layers, Sd, Hkv, ctx]`, in one tensor for one
-        batched view refresh. A mixed step refreshes twice from one plan (its verify blocks' views, then those of
-        the prompts it finished), so the per-layer scores stay with the plan."""
+        batched view refresh (the per-layer scores stay with the plan: `IndexViewUpdates.rebuild` releases them)."""
         if len(plan.scores) != self.num_layers:
             raise RuntimeError(f"the plan holds verify scores of {len(plan.scores)} of {self.num_layers} layers")
         return torch.stack([plan.scores[layer] for layer in range(self.num_layers)])

@@ -123,7 +123,7 @@ class SpeculativeRound:
         started = self.timer.stage_done("accept", started)
 
         # Behind the copy on the device: the views' update, the log-probs, and the next round's early launch.
-        next_round = self._update_views(requests, verified, num_accepted, max_drafts, k, refresh)
+        next_round = self._update_views(requests, verified, num_accepted, max_drafts, k, refresh, prompts is not None)
         logprobs = self._logprobs(len(requests), draft_tokens, verified.target_scores, num_accepted, next_tokens)
         if self.may_launch_early:
             self._launch_next(requests, k, draft_counts, draft_tokens, num_accepted, next_tokens, next_round)
@@ -160,10 +160,13 @@ class SpeculativeRound:
             )
         return verified
 
-    def _update_views(self, requests, verified: Verified, num_accepted, max_drafts: int, k: int, refresh: bool):
+    def _update_views(
+        self, requests, verified: Verified, num_accepted, max_drafts: int, k: int, refresh: bool, mixed: bool
+    ):
         """Queue the views' rebuild (`refresh`) or extension (a drafting round between refreshes) at the new
-        committed lengths; a dense step leaves them stale. Returns what an early draft launch needs, `(contexts,
-        remaining, view width)` on the device, or None when the views were left as they are."""
+        committed lengths; a dense step leaves them stale. A `mixed` step's scores are kept for its prompts' views.
+        Returns what an early draft launch needs, `(contexts, remaining, view width)` on the device, or None when
+        the views were left as they are."""
         if not (refresh or k > 0):
             self.views_stale = True  # a dense step: the views miss its token until the next refresh
             return None
@@ -172,7 +175,9 @@ class SpeculativeRound:
         # Views of requests that finish this round are rebuilt too (harmless: their slots are released after it).
         plan = verified.plan
         if refresh:
-            self.views.rebuild(plan, list(range(len(requests))), requests, contexts, plan.dense.num_candidates)
+            self.views.rebuild(
+                plan, list(range(len(requests))), requests, contexts, plan.dense.num_candidates, keep_scores=mixed
+            )
             width = plan.dense.num_candidates
         else:
             width = self.views.extend(requests, committed, contexts, max_drafts + 1)

@@ -55,10 +55,13 @@ class IndexViewUpdates:
         return width
 
     def rebuild(
-        self, plan: StepPlan, segments: list[int], requests: list[Request], contexts: torch.Tensor, width: int
+        self, plan: StepPlan, segments: list[int], requests: list[Request], contexts: torch.Tensor, width: int,
+        keep_scores: bool = False,
     ) -> None:
         """Queue the index-view rebuild of `requests` (plan segments `segments`) at committed lengths `contexts`
-        (a device tensor), so it needs no host read; `width` bounds the views' budgets (a host int)."""
+        (a device tensor), so it needs no host read; `width` bounds the views' budgets (a host int). The plan's
+        scores are released after it unless `keep_scores` (a mixed step refreshes its finished prompts' views from
+        the same plan next): the next forward's scores would otherwise sit beside them."""
         seg_index = self.runner.tensor(segments)
         slots = self.runner.tensor([r.slot for r in requests])
         history = plan.dense.history_lens[seg_index]
@@ -66,3 +69,5 @@ class IndexViewUpdates:
         scores = self.runner.stacked_scores(plan)
         views = get_backend(scores.device).select_index_views(scores, seg_index, history, contexts, budgets, width)
         self.cache.index_views.store(None, slots, views, budgets)
+        if not keep_scores:
+            plan.scores = {}
