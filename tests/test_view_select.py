@@ -137,3 +137,29 @@ def test_a_refresh_releases_the_plans_scores(monkeypatch):
     config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4)
     model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12, s3r_config=config)
     assert len(after) > 2 and all(kept > 0 if keep else kept == 0 for keep, kept in after), after
+
+
+@pytest.mark.parametrize("launch", [None, (1024, 256, 4)], ids=["default", "long-rows-by-radix"])
+def test_triton_views_match_the_reference_at_random_edges(launch, monkeypatch):
+    """Random shapes, subsets and lengths, down to a context of one, no history, a budget of zero and a width past
+    every budget; scores random, tied or all zero."""
+    import random
+
+    if launch is not None:
+        monkeypatch.setattr(view_select, "LAUNCH_OVERRIDE", launch)
+    rng = random.Random(0)
+    for case in range(16):
+        shape = (rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 3), rng.choice([1, 2, 17, 300, 1100]))
+        scored, length = shape[1], shape[3]
+        kind = ("random", "ties", "signed", "zero")[case % 4]
+        generator = torch.Generator().manual_seed(case)
+        scores = torch.zeros(shape) if kind == "zero" else score_rows(kind, shape, generator)
+        segments = torch.tensor(rng.sample(range(scored), rng.randint(1, scored)))
+        contexts = [rng.randint(1, length) for _ in segments]
+        history = [rng.randint(0, c) for c in contexts]
+        budgets = [rng.randint(0, c) for c in contexts]
+        width = max(max(budgets), 1) + rng.randint(0, 3)
+        args = (segments, torch.tensor(history), torch.tensor(contexts), torch.tensor(budgets), width)
+        expected = reference.select_index_views(scores, *args)
+        got = view_select.select_index_views(scores.to(DEVICE), *(t.to(DEVICE) for t in args[:4]), width)
+        assert torch.equal(got.cpu(), expected), (case, history, contexts, budgets, width)
