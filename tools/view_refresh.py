@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from s3r_hf.bench_kernels import _time_ms
 from s3r_hf.kernels import reference
 
 # (name, layers, KV heads, batch, context)
@@ -30,24 +31,11 @@ POINTS = [
 BLOCK = 7  # verify queries per request: the history ends this far before the scored context
 
 
-def _time_ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def torch_path(backend, per_layer, segments, history, contexts, budgets, width):
     """The refresh before `select_index_views`: stack, `torch.topk` over every scored segment, merge and sort."""
     scores = torch.stack(per_layer)
     layers, num_segments, heads, _ = scores.shape
-    all_history = history  # every segment is refreshed here
-    candidates = backend.select_topk_candidates(scores.flatten(0, 1), all_history.repeat(layers), width)
+    candidates = backend.select_topk_candidates(scores.flatten(0, 1), history.repeat(layers), width)
     candidates = candidates.view(layers, num_segments, heads, width)[:, segments]
     return reference.merge_index_views(candidates, history, contexts, budgets, width)
 
@@ -56,8 +44,9 @@ def triton_path(backend, per_layer, segments, history, contexts, budgets, width)
     return backend.select_index_views(torch.stack(per_layer), segments, history, contexts, budgets, width)
 
 
-def kernel_point(backend, name, layers, heads, batch, context, generator) -> dict:
-    # Mean softmax weights: positive, summing to about 1 over the keys, a few keys heavy.
+def refresh_inputs(layers, heads, batch, context, generator) -> tuple:
+    """`(per-layer scores, segments, history, contexts, budgets, width)` of a refresh of every request after a
+    verify block: mean softmax weights (positive, summing to about 1 over the keys, a few keys heavy), 5% budgets."""
     per_layer = []
     for _ in range(layers):
         logits = torch.randn(batch, heads, context, device="cuda", generator=generator) * 2.0
@@ -66,9 +55,13 @@ def kernel_point(backend, name, layers, heads, batch, context, generator) -> dic
     contexts = history + torch.randint(1, BLOCK + 1, (batch,), device="cuda", generator=generator)
     budgets = torch.clamp((contexts.float() * 0.05).ceil().long(), min=64)
     width = math.ceil(0.05 * context) + BLOCK
-    segments = torch.arange(batch, device="cuda")
-    args = (per_layer, segments, history, contexts, budgets, width)
-    expected = reference.select_index_views(torch.stack(per_layer), segments, history, contexts, budgets, width)
+    return per_layer, torch.arange(batch, device="cuda"), history, contexts, budgets, width
+
+
+def kernel_point(backend, name, layers, heads, batch, context, generator) -> dict:
+    args = refresh_inputs(layers, heads, batch, context, generator)
+    per_layer, _, _, _, budgets, width = args
+    expected = reference.select_index_views(torch.stack(per_layer), *args[1:])
     got = triton_path(backend, *args)
     old = torch_path(backend, *args)
     in_budget = torch.arange(width, device="cuda")[None, :] < budgets[:, None]
@@ -92,12 +85,8 @@ def sweep_point(name, layers, heads, batch, context, generator) -> list[dict]:
     reference."""
     from s3r_hf.kernels import view_select_triton
 
-    scores = torch.softmax(torch.randn(layers, batch, heads, context, device="cuda", generator=generator) * 2.0, -1)
-    history = torch.full((batch,), context - BLOCK, device="cuda")
-    contexts = history + 4
-    budgets = torch.clamp((contexts.float() * 0.05).ceil().long(), min=64)
-    width = math.ceil(0.05 * context) + BLOCK
-    args = (scores, torch.arange(batch, device="cuda"), history, contexts, budgets, width)
+    per_layer, *rest = refresh_inputs(layers, heads, batch, context, generator)
+    args = (torch.stack(per_layer), *rest)
     expected = reference.select_index_views(*args)
     chosen, rows = view_select_triton.LAUNCH_OVERRIDE, []
     try:
