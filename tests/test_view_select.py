@@ -37,6 +37,12 @@ def score_rows(kind: str, shape, generator) -> torch.Tensor:
         return torch.rand(shape, generator=generator)
     if kind == "ties":  # few distinct values: the threshold's ties decide the view
         return torch.randint(0, 4, shape, generator=generator).float() / 8
+    if kind == "close":  # neighbours a few units in the last place apart: the search's last, narrowest steps
+        values = torch.full(shape, 0.3)
+        for _ in range(5):
+            up = torch.rand(shape, generator=generator) < 0.5
+            values = torch.where(up, torch.nextafter(values, torch.ones(())), values)
+        return values
     if kind == "signed":  # negatives, zeros of both signs and infinities, which the float order must keep
         values = torch.randn(shape, generator=generator)
         values[..., ::7] = 0.0
@@ -52,7 +58,7 @@ def score_rows(kind: str, shape, generator) -> torch.Tensor:
 SEGMENTS = [(40, 47, 20), (30, 36, 5), (25, 25, 25), (0, 9, 9), (2500, 2507, 300)]
 
 
-@pytest.mark.parametrize("kind", ["random", "ties", "signed"])
+@pytest.mark.parametrize("kind", ["random", "ties", "close", "signed"])
 def test_reference_views_match_their_definition(kind):
     generator = torch.Generator().manual_seed(0)
     rows = SEGMENTS[:4]
@@ -65,10 +71,16 @@ def test_reference_views_match_their_definition(kind):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("launch", [None, (1024, 256, 4)], ids=["default", "long-rows-by-radix"])
-@pytest.mark.parametrize("kind", ["random", "ties", "signed"])
+# Rows in registers searched 1, 2 or 4 keys a step (the default's count is among the sweep's), and rows longer than
+# `ROW` read in blocks (radix passes).
+LAUNCHES = [None, (4096, 1024, 4, 1), (4096, 1024, 4, 2), (4096, 1024, 4, 4), (1024, 256, 4, 1)]
+LAUNCH_IDS = ["default", "bisection", "two-keys-a-step", "four-keys-a-step", "long-rows-by-radix"]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
+@pytest.mark.parametrize("kind", ["random", "ties", "close", "signed"])
 def test_triton_views_match_the_reference(kind, launch, monkeypatch):
-    """Rows held in registers (bisection) and, where a row is longer than `ROW`, read in blocks (radix passes)."""
+    """Every launch setting's views equal the reference's."""
     if launch is not None:
         monkeypatch.setattr(view_select, "LAUNCH_OVERRIDE", launch)
     generator = torch.Generator().manual_seed(1)
@@ -139,7 +151,7 @@ def test_a_refresh_releases_the_plans_scores(monkeypatch):
     assert len(after) > 2 and all(kept > 0 if keep else kept == 0 for keep, kept in after), after
 
 
-@pytest.mark.parametrize("launch", [None, (1024, 256, 4)], ids=["default", "long-rows-by-radix"])
+@pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
 def test_triton_views_match_the_reference_at_random_edges(launch, monkeypatch):
     """Random shapes, subsets and lengths, down to a context of one, no history, a budget of zero and a width past
     every budget; scores random, tied or all zero."""
@@ -151,7 +163,7 @@ def test_triton_views_match_the_reference_at_random_edges(launch, monkeypatch):
     for case in range(16):
         shape = (rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 3), rng.choice([1, 2, 17, 300, 1100]))
         scored, length = shape[1], shape[3]
-        kind = ("random", "ties", "signed", "zero")[case % 4]
+        kind = ("random", "ties", "close", "signed", "zero")[case % 5]
         generator = torch.Generator().manual_seed(case)
         scores = torch.zeros(shape) if kind == "zero" else score_rows(kind, shape, generator)
         segments = torch.tensor(rng.sample(range(scored), rng.randint(1, scored)))

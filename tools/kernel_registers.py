@@ -81,8 +81,9 @@ def _kernel(shape: str, kind: str, keys: str) -> tuple:
     heads, kv_heads, head_dim, element_size = SHAPES[shape]
     group, dtype = heads // kv_heads, torch.bfloat16 if element_size == 2 else torch.float32
     if kind == "view-select":  # the same kernel at every shape; `keys`: the scores' length it is chosen for
-        row, block, warps = vs._launch(int(keys))
-        constants = {"UNUSED": vs.UNUSED_POSITION, "ROW": row, "BLOCK": block, "num_warps": warps, "num_stages": 3}
+        row, block, warps, thresholds = vs._launch(int(keys))
+        constants = {"UNUSED": vs.UNUSED_POSITION, "ROW": row, "BLOCK": block, "THRESHOLDS": thresholds,
+                     "num_warps": warps, "num_stages": 3}
         return vs._select_views_kernel, constants
     if kind == "sparse":
         return tb._sparse_decode_kernel, tb.sparse_constants(group, head_dim, PAGE_SIZE, dtype)

@@ -81,23 +81,26 @@ def kernel_point(backend, name, layers, heads, batch, context, generator) -> dic
 
 
 def sweep_point(name, layers, heads, batch, context, generator) -> list[dict]:
-    """The kernel alone at other launch settings (`view_select_triton.LAUNCH_OVERRIDE`), each checked against the
-    reference."""
+    """The kernel alone at other launch settings (`view_select_triton.LAUNCH_OVERRIDE`) of the register row the
+    context needs: warps, keys tested a search step, output block; each checked against the reference."""
     from s3r_hf.kernels import view_select_triton
 
     per_layer, *rest = refresh_inputs(layers, heads, batch, context, generator)
     args = (torch.stack(per_layer), *rest)
     expected = reference.select_index_views(*args)
     chosen, rows = view_select_triton.LAUNCH_OVERRIDE, []
+    row = next(row for row in (4096, 8192, 16384) if context <= row)  # the register row the context needs
+    warps = {4096: (4,), 8192: (8, 16), 16384: (16,)}[row]
+    launches = [(row, 1024, w, thresholds) for w in warps for thresholds in (1, 2, 3, 4)] + [(row, 512, warps[0], 3)]
     try:
-        for launch in [(8192, 1024, 8), (8192, 1024, 16), (8192, 512, 8), (4096, 1024, 4), (16384, 1024, 16)]:
+        for launch in launches:
             view_select_triton.LAUNCH_OVERRIDE = launch
             equal = bool(torch.equal(view_select_triton.select_index_views(*args), expected))
             ms = _time_ms(lambda: view_select_triton.select_index_views(*args))
             rows.append({"model": name, "batch": batch, "context": context, "row": launch[0], "block": launch[1],
-                         "warps": launch[2], "equal_to_reference": equal, "kernel_ms": ms})
+                         "warps": launch[2], "thresholds": launch[3], "equal_to_reference": equal, "kernel_ms": ms})
             print(f"  sweep {name} B={batch} S={context}: row {launch[0]:5d}, block {launch[1]:4d}, {launch[2]:2d} "
-                  f"warps: {ms:.3f} ms (equal: {equal})", flush=True)
+                  f"warps, {launch[3]} keys a step: {ms:.3f} ms (equal: {equal})", flush=True)
     finally:
         view_select_triton.LAUNCH_OVERRIDE = chosen
     return rows
