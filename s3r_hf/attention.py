@@ -70,6 +70,7 @@ def s3r_attention_forward(
             dense.positions, scale, dense.score_starts, max_query_len=dense.max_query_len,
             max_context=dense.max_context, max_scored_queries=dense.max_scored_queries, num_splits=dense.num_splits,
             live_segments=dense.live_segments, min_live_segments=dense.min_live_segments,
+            scores_out=_layer_scores_out(step, len(cache.layers), layer_idx, pools.keys.shape[2], packed.device),
         )
         out = dense_out if out is None else out.index_copy_(0, dense.query_index, dense_out)
         if scores is not None:
@@ -86,6 +87,20 @@ def s3r_attention_forward(
         out = sparse_out if out is None else out.index_copy_(0, sparse.query_index, sparse_out)
     step.layers_seen.add(layer_idx)
     return out.unsqueeze(0), None
+
+
+def _layer_scores_out(
+    step: StepPlan, num_layers: int, layer_idx: int, num_kv_heads: int, device: torch.device
+) -> torch.Tensor | None:
+    """Layer `layer_idx`'s part of `StepPlan.score_layers`, allocated by the first layer of a scored forward; None
+    for an unscored one."""
+    dense = step.dense
+    if dense.score_starts is None or dense.max_context < 1:
+        return None
+    if step.score_layers is None:
+        shape = (num_layers, dense.cu_seqlens.shape[0] - 1, num_kv_heads, dense.max_context)
+        step.score_layers = torch.empty(shape, dtype=torch.float32, device=device)
+    return step.score_layers[layer_idx]
 
 
 def _prefill_attention(

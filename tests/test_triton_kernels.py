@@ -210,6 +210,25 @@ def test_scores_of_more_rows_than_one_score_tile():
     torch.testing.assert_close(triton_backend.paged_dense_attention(*args)[2], expected, **TOL)
 
 
+@pytest.mark.usefixtures("score_source")
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_scores_written_into_one_layer_of_every_layers_scores(backend):
+    """`scores_out`: a layer's part of one `[layers, S, Hkv, context]` tensor, filled with what a new tensor would
+    hold and nothing around it touched; one of another shape is an error that names it."""
+    generator = torch.Generator().manual_seed(6)
+    inputs = dense_inputs([7, 1, 3], [19, 33, 40], 4, 2, generator)
+    args = (*inputs, 0.3, torch.tensor([0, 0, -1], device=DEVICE))
+    attention = (reference if backend == "reference" else triton_backend).paged_dense_attention
+    expected = reference.paged_dense_attention(*args)[2]  # [3, 2, 40]
+    layers = torch.full((3, *expected.shape), float("nan"), device=DEVICE)
+    scores = attention(*args, max_query_len=7, max_context=40, scores_out=layers[1])[2]
+    assert scores.data_ptr() == layers[1].data_ptr()
+    torch.testing.assert_close(layers[1], expected, **TOL)
+    assert layers[0].isnan().all() and layers[2].isnan().all()
+    with pytest.raises(ValueError, match="scores_out must be float32 \\[3, 2, 40\\]"):
+        attention(*args, max_query_len=7, max_context=40, scores_out=layers[1, :, :, :39])
+
+
 def test_prompt_chunks_of_any_length_share_one_tiling_that_no_verify_block_takes():
     """Every segment longer than the longest verify block is tiled as a prefill chunk, so prompt batches of different
     lengths (GRPO steps) launch one compiled variant of the dense kernel, not one per length class."""

@@ -127,6 +127,8 @@ class ModelRunner:
         batched view refresh (the per-layer scores stay with the plan: `IndexViewUpdates.rebuild` releases them)."""
         if len(plan.scores) != self.num_layers:
             raise RuntimeError(f"the plan holds verify scores of {len(plan.scores)} of {self.num_layers} layers")
+        if plan.score_layers is not None:  # the layers wrote them into one tensor
+            return plan.score_layers
         return torch.stack([plan.scores[layer] for layer in range(self.num_layers)])
 
     def tensor(self, values: list[int]) -> torch.Tensor:

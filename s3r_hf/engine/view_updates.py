@@ -70,4 +70,4 @@ class IndexViewUpdates:
         views = get_backend(scores.device).select_index_views(scores, seg_index, history, contexts, budgets, width)
         self.cache.index_views.store(None, slots, views, budgets)
         if not keep_scores:
-            plan.scores = {}
+            plan.scores, plan.score_layers = {}, None

@@ -62,6 +62,7 @@ def paged_dense_attention(
     num_splits: int | None = None,
     live_segments: torch.Tensor | None = None,
     min_live_segments: int = 1,
+    scores_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Dense causal attention of packed varlen queries over paged K/V (prefill chunks and verify blocks).
 
@@ -81,6 +82,8 @@ def paged_dense_attention(
         live_segments: `[1]` int32, how many segments hold real queries, the rest padding, when a kernel sizes its
             key splits for those on the device (a CUDA graph replayed at other row counts; ignored here).
         min_live_segments: the fewest segments `live_segments` will hold (sizes that grid; ignored here).
+        scores_out: where to write `scores` (float32 `[S, Hkv, max_context]`, unit stride in its last dimension),
+            e.g. one layer's part of every layer's scores; by default a new tensor.
 
     Returns:
         `out` `[N, Hq, D]`, `lse` `[N, Hq]` (natural-log normaliser of each query's softmax), and, when
@@ -123,7 +126,20 @@ def paged_dense_attention(
         scored &= query_pos >= 0  # [S, n]
         weight = scored.float() / (scored.sum(dim=1, keepdim=True).clamp(min=1) * group)
         scores = torch.einsum("shgnk,sn->shk", probs, weight)
+        if scores_out is not None:
+            scores = verify_scores_tensor(scores_out, tuple(scores.shape), query.device).copy_(scores)
     return out, lse, scores
+
+
+def verify_scores_tensor(scores_out: torch.Tensor | None, shape: tuple[int, ...], device) -> torch.Tensor:
+    """The tensor a dense attention writes its verify scores into: the caller's `scores_out`, checked against
+    `shape`, or a new one."""
+    if scores_out is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    if tuple(scores_out.shape) != tuple(shape) or scores_out.dtype != torch.float32 or scores_out.stride(-1) != 1:
+        raise ValueError(f"scores_out must be float32 {list(shape)} with unit stride in its last dimension, got "
+                         f"{scores_out.dtype} {list(scores_out.shape)} with strides {list(scores_out.stride())}")
+    return scores_out
 
 
 def merge_splits(

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from s3r_hf.kernels.reference import verify_scores_tensor
 from s3r_hf.kernels.view_select_triton import KERNELS as _VIEW_KERNELS
 from s3r_hf.kernels.view_select_triton import select_index_views  # noqa: F401  (the backend interface)
 from s3r_hf.matmul_precision import tf32_matmuls
@@ -444,6 +445,7 @@ def paged_dense_attention(
     num_splits: int | None = None,
     live_segments: torch.Tensor | None = None,
     min_live_segments: int = 1,
+    scores_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Triton version of `reference.paged_dense_attention` (same arguments and results).
 
@@ -518,11 +520,11 @@ def paged_dense_attention(
     out, lse = merge_splits(out, lse, query.dtype, live)
     if score_starts is None:
         return out, lse, None
+    length = max(max_context, 1)
+    scores = verify_scores_tensor(scores_out, (num_segments, num_kv_heads, length), query.device)
     if logits is not None:
-        return out, lse, _reduce_stored_logits(logits, lse, cu, positions, score_starts, group, max(max_context, 1))
-    scores = _verify_scores(
-        query, key_pool, block_tables, cu, positions, score_starts, lse, scale, max(max_context, 1), max_scored_rows
-    )
+        return out, lse, _reduce_stored_logits(logits, lse, cu, positions, score_starts, group, scores)
+    _verify_scores(query, key_pool, block_tables, cu, positions, score_starts, lse, scale, max_scored_rows, scores)
     return out, lse, scores
 
 
@@ -620,17 +622,17 @@ def _verify_scores_kernel(
 
 
 def _verify_scores(
-    query, key_pool, block_tables, cu_seqlens, positions, score_starts, lse, scale, length, max_rows
+    query, key_pool, block_tables, cu_seqlens, positions, score_starts, lse, scale, max_rows, scores
 ) -> torch.Tensor:
-    """Mean softmax weight per key position over each segment's scored (query, head) rows, `[S, Hkv, length]`.
+    """Mean softmax weight per key position over each segment's scored (query, head) rows, into `scores`
+    `[S, Hkv, length]`.
 
     Each program owns a block of key positions of one (segment, KV head): it reads that K tile once, recomputes
     the scored rows' logits against it and sums `exp(logit - lse)` with the attention's merged normalisers.
     """
-    num_segments = cu_seqlens.shape[0] - 1
-    num_kv_heads, head_dim = key_pool.shape[2], key_pool.shape[3]
+    num_segments, num_kv_heads, length = scores.shape
+    head_dim = key_pool.shape[3]
     group = query.shape[1] // num_kv_heads
-    scores = torch.empty(num_segments, num_kv_heads, length, dtype=torch.float32, device=query.device)
     block = _key_tile(head_dim)  # the attention kernels' K tile (fixed while tune_kernels sweeps theirs)
     _verify_scores_kernel[(num_segments, num_kv_heads, triton.cdiv(length, block))](
         query, key_pool, block_tables, cu_seqlens, positions, score_starts, lse, scores,
@@ -680,14 +682,15 @@ def _reduce_scores_kernel(
     tl.store(out_ptr + segment * stride_os + kv_head * stride_oh + keys, acc / tl.maximum(num_rows, 1), mask=key_ok)
 
 
-def _reduce_stored_logits(logits, lse, cu_seqlens, positions, score_starts, group, length: int) -> torch.Tensor:
-    """Mean softmax weight per key position from the scored rows' logits and their saved LSE.
+def _reduce_stored_logits(logits, lse, cu_seqlens, positions, score_starts, group, scores) -> torch.Tensor:
+    """Mean softmax weight per key position from the scored rows' logits and their saved LSE, into `scores`
+    `[S, Hkv, length]`.
 
     One pass over the logit scratch (a few rows per segment), never over K: each program owns a block of key
     positions of one (segment, KV head) and sums `exp(logit - lse)` over the scored (query, head) rows.
     """
     num_segments, num_kv_heads, max_rows, _ = logits.shape  # the key axis padded past `length` (`_padded`)
-    scores = torch.empty(num_segments, num_kv_heads, length, dtype=torch.float32, device=logits.device)
+    length = scores.shape[-1]
     rows = min(64, max(2, triton.next_power_of_2(max_rows)))
     block = min(1024, 8192 // rows)  # ~8K logits per tile
     _reduce_scores_kernel[(num_segments, num_kv_heads, triton.cdiv(length, block))](
