@@ -12,8 +12,7 @@ window in another sort. Here one program per (layer, segment, KV head) does all 
    a compare, hence the search where the row fits);
 2. the positions of the keys above that threshold, and of the first keys equal to it (lower positions first, as
    the reference's stable sort breaks ties), written in ascending order: the order a view keeps, so no sort is
-   needed. A row in registers takes one prefix sum for it (two where the threshold's ties are split), a longer
-   one two per block;
+   needed: one prefix sum per block of the row (two where the threshold's ties are split, some of them taken);
 3. the recent window after them, and `UNUSED_POSITION` up to the width.
 
 The top-K and the recent window never overlap (candidates lie below the history length, the window at or above
@@ -30,8 +29,8 @@ from s3r_hf.kernels.reference import UNUSED_POSITION
 
 # `(ROW, BLOCK, warps, THRESHOLDS)` by the scores' length: rows of up to ROW scores are held in registers (a search
 # step costs each key, so ROW is as short as the rows allow) and searched THRESHOLDS keys a step, longer ones read
-# BLOCK scores at a time. The fastest
-# settings of `tools/view_refresh.py --sweep` at 4K, 8K and 16K (docs/benchmarks.md, "Kernel launch settings").
+# BLOCK scores at a time. The fastest settings of `tools/view_refresh.py --sweep` at 4K, 8K and 16K
+# (docs/benchmarks.md, "Kernel launch settings").
 # One key a search step (bisection) is the setting timed on a GPU; several keys a step halve the search's
 # reductions for more compares per key, and are untimed (`tools/view_refresh.py --sweep` times 1-4).
 LAUNCHES = ((4096, (4096, 1024, 4, 1)), (8192, (8192, 1024, 8, 1)), (None, (16384, 1024, 16, 1)))
@@ -85,7 +84,7 @@ def _count_at_or_above(keys, low, span_keys, THRESHOLDS: tl.constexpr):
 def _threshold_in_registers(row_ptr, span, top, ROW: tl.constexpr, THRESHOLDS: tl.constexpr):
     """`(threshold key, how many keys equal to it to take, how many keys equal it)` of a row of at most `ROW`
     scores, held in registers: a search of the key range that tests `THRESHOLDS` keys a step."""
-    tl.static_assert(ROW < 65536)  # a count fits its 16-bit field
+    tl.static_assert(ROW <= 16384)  # a count fits its 16-bit field, the highest one too, with no sign bit set
     tl.static_assert(THRESHOLDS >= 1 and THRESHOLDS <= 4)
     offsets = tl.arange(0, ROW)
     valid = offsets < span
