@@ -71,10 +71,10 @@ def test_reference_views_match_their_definition(kind):
     assert torch.equal(got, expected)
 
 
-# Rows in registers searched 1, 2 or 4 keys a step (the default's count is among the sweep's), and rows longer than
-# `ROW` read in blocks (radix passes).
-LAUNCHES = [None, (4096, 1024, 4, 1), (4096, 1024, 4, 2), (4096, 1024, 4, 4), (1024, 256, 4, 1)]
-LAUNCH_IDS = ["default", "bisection", "two-keys-a-step", "four-keys-a-step", "long-rows-by-radix"]
+# Rows in registers searched one key a step (the default, a bisection) or 2, 3 or 4 (the sweep's other settings),
+# and rows longer than `ROW` read in blocks (radix passes).
+LAUNCHES = [None, (4096, 1024, 4, 2), (4096, 1024, 4, 3), (4096, 1024, 4, 4), (1024, 256, 4, 1)]
+LAUNCH_IDS = ["default-bisection", "two-keys-a-step", "three-keys-a-step", "four-keys-a-step", "long-rows-by-radix"]
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
