@@ -89,7 +89,7 @@ def sweep_point(name, layers, heads, batch, context, generator) -> list[dict]:
     args = (torch.stack(per_layer), *rest)
     expected = reference.select_index_views(*args)
     chosen, rows = view_select_triton.LAUNCH_OVERRIDE, []
-    row = next(row for row in (4096, 8192, 16384) if context <= row)  # the register row the context needs
+    row = view_select_triton._launch(context)[0]  # the register row the context needs
     warps = {4096: (4,), 8192: (8, 16), 16384: (16,)}[row]
     launches = [(row, 1024, w, thresholds) for w in warps for thresholds in (1, 2, 3, 4)] + [(row, 512, warps[0], 3)]
     try:
