@@ -60,21 +60,19 @@ def s3r_attention_forward(
     else:
         out = torch.empty_like(packed)
     if step.dense is not None and step.dense.prefill_spans is not None:  # a prefill step, split by kind of query
-        out, scores = _prefill_attention(query, key, value, pools, step.dense, scale, backend)
-        if scores is not None:
-            step.scores[layer_idx] = scores
+        scored = step.dense.scored
+        scores_out = None if scored is None else _layer_scores_out(step, scored, len(cache.layers), layer_idx, pools)
+        out = _prefill_attention(query, key, value, pools, step.dense, scale, backend, scores_out)
     elif step.dense is not None:
         dense = step.dense
-        dense_out, _, scores = backend.paged_dense_attention(
+        dense_out, _, _ = backend.paged_dense_attention(
             _rows(packed, dense.query_index), pools.keys, pools.values, dense.block_tables, dense.cu_seqlens,
             dense.positions, scale, dense.score_starts, max_query_len=dense.max_query_len,
             max_context=dense.max_context, max_scored_queries=dense.max_scored_queries, num_splits=dense.num_splits,
             live_segments=dense.live_segments, min_live_segments=dense.min_live_segments,
-            scores_out=_layer_scores_out(step, len(cache.layers), layer_idx, pools.keys.shape[2], packed.device),
-        )
+            scores_out=_layer_scores_out(step, dense, len(cache.layers), layer_idx, pools),
+        )  # the scores stay in `step.scores`: top-K for all layers at once after the forward
         out = dense_out if out is None else out.index_copy_(0, dense.query_index, dense_out)
-        if scores is not None:
-            step.scores[layer_idx] = scores  # top-K for all layers at once after the forward
     if step.sparse is not None:
         sparse = step.sparse
         if sparse.views is None:
@@ -90,25 +88,26 @@ def s3r_attention_forward(
 
 
 def _layer_scores_out(
-    step: StepPlan, num_layers: int, layer_idx: int, num_kv_heads: int, device: torch.device
+    step: StepPlan, dense: DenseSegments, num_layers: int, layer_idx: int, pools
 ) -> torch.Tensor | None:
-    """Layer `layer_idx`'s part of `StepPlan.score_layers`, allocated by the first layer of a scored forward; None
-    for an unscored one."""
-    dense = step.dense
+    """Layer `layer_idx`'s part of `StepPlan.scores`, allocated by the first layer of a forward that scores the
+    segments `dense`; None when they score nothing."""
     if dense.score_starts is None or dense.max_context < 1:
         return None
-    if step.score_layers is None:
-        shape = (num_layers, dense.cu_seqlens.shape[0] - 1, num_kv_heads, dense.max_context)
-        step.score_layers = torch.empty(shape, dtype=torch.float32, device=device)
-    return step.score_layers[layer_idx]
+    if step.scores is None:
+        shape = (num_layers, dense.cu_seqlens.shape[0] - 1, pools.keys.shape[2], dense.max_context)
+        step.scores = torch.empty(shape, dtype=torch.float32, device=pools.keys.device)
+    return step.scores[layer_idx]
 
 
 def _prefill_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pools, dense: DenseSegments, scale: float, backend
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pools, dense: DenseSegments, scale: float, backend,
+    scores_out: torch.Tensor | None,
+) -> torch.Tensor:
     """A prefill step's attention `[N, Hq, D]`: each long chunk through torch's fused SDPA kernels, the shorter ones
     through the paged kernel in one unscored launch, and the scores of the scored queries from the paged kernel over
-    those queries alone (the same scores it gives over the whole step: each scored query sees the same keys). A
+    those queries alone, written into `scores_out` (the same scores it gives over the whole step: each scored query
+    sees the same keys). A
     chunk that starts at position 0 attends to its own K/V; a later chunk of a prompt to the K/V cached before it as
     well, gathered from its pages."""
     packed = query[0].transpose(0, 1)  # [N, Hq, D]
@@ -128,17 +127,17 @@ def _prefill_attention(
         )[0].transpose(0, 1)
     if dense.paged is not None:
         out.index_copy_(0, dense.paged.query_index, _paged(packed, pools, dense.paged, scale, backend)[0])
-    if dense.scored is None:
-        return out, None
-    return out, _paged(packed, pools, dense.scored, scale, backend)[2]
+    if dense.scored is not None:
+        _paged(packed, pools, dense.scored, scale, backend, scores_out)
+    return out
 
 
-def _paged(packed: torch.Tensor, pools, segments: DenseSegments, scale: float, backend):
+def _paged(packed: torch.Tensor, pools, segments: DenseSegments, scale: float, backend, scores_out=None):
     """The paged kernel over the queries of `segments` (a subset of a prefill step's, `query_index`)."""
     return backend.paged_dense_attention(
         packed[segments.query_index], pools.keys, pools.values, segments.block_tables, segments.cu_seqlens,
         segments.positions, scale, segments.score_starts, max_query_len=segments.max_query_len,
-        max_context=segments.max_context, max_scored_queries=segments.max_scored_queries,
+        max_context=segments.max_context, max_scored_queries=segments.max_scored_queries, scores_out=scores_out,
     )
 
 

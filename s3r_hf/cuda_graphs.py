@@ -174,9 +174,8 @@ class DecodeGraphs:
         step.graph.replay()
         self.replays += 1
         if kind == "verify":  # the real segments' verify scores (graph buffers, valid until the next replay)
-            plan.scores = {layer: scores[:segments] for layer, scores in step.plan.scores.items()}
-            layers = step.plan.score_layers
-            plan.score_layers = None if layers is None else layers[:, :segments]
+            scores = step.plan.scores
+            plan.scores = None if scores is None else scores[:, :segments]
         # A copy: the graph's output buffer is overwritten by the next replay.
         return step.logits[:count].to(torch.float32, copy=True)
 

@@ -66,9 +66,7 @@ class StepPlan:
     position_ids: torch.Tensor  # [1, N]
     dense: DenseSegments | None = None
     sparse: SparseQueries | None = None
-    # Filled by the attention function: per layer, the verify scores `[Sd, Hkv, max_context]` of scored segments.
-    scores: dict[int, torch.Tensor] = field(default_factory=dict)
-    # Where a verify's layers write them: every layer's scores in one tensor `[layers, Sd, Hkv, max_context]`
-    # (`scores` holds its layers), so an index-view refresh reads them without stacking them first.
-    score_layers: torch.Tensor | None = None
+    # Filled by the attention function: every layer's verify scores of the scored segments in one tensor
+    # `[layers, Sd, Hkv, max_context]`, so an index-view refresh reads them without stacking them first.
+    scores: torch.Tensor | None = None
     layers_seen: set[int] = field(default_factory=set)

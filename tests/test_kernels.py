@@ -333,9 +333,9 @@ def test_packed_prefill_of_two_prompts_matches_dense_forward():
             keys = gather_positions(cache.layers[layer].keys, table, torch.arange(len(prompt)))
             expected = dense_cache.layers[layer].keys[0].transpose(0, 1)
             torch.testing.assert_close(keys, expected, atol=1e-5, rtol=1e-5)
+    # Each layer leaves its verify scores in one tensor; the engine selects all layers' top-K after the forward.
+    assert plan.scores.shape == (2, 2, 2, max(len(p) for p in prompts))
     for layer in range(2):
-        # Each layer leaves its verify scores; the engine selects all layers' top-K after the forward.
-        assert plan.scores[layer].shape == (2, 2, max(len(p) for p in prompts))
         candidates = select_topk_candidates(plan.scores[layer], dense.history_lens, dense.num_candidates)
         assert candidates.shape == (2, 2, 4)
         for seg, prompt in enumerate(prompts):

@@ -131,31 +131,36 @@ def test_launch_settings_follow_the_scores_length():
 
 
 def test_a_refresh_releases_the_plans_scores(monkeypatch):
-    """A verify's layers write their scores into one tensor, which the refresh reads as it is (no stack). After its
-    views are rebuilt, a plan drops its scores (the next forward's would sit beside them), but for a round whose plan
-    also finishes prompts (a mixed step), which refreshes their views from it next."""
+    """Every scored forward (a verify, or a prefill that scores its prompts) writes each layer's scores into one
+    tensor, which the refresh hands to the kernel as it is (no stack). After its views are rebuilt, a plan drops its
+    scores (the next forward's would sit beside them), but for a round whose plan also finishes prompts (a mixed
+    step), which refreshes their views from it next."""
     from s3r_hf import S3RConfig, enable
     from s3r_hf.engine.view_updates import IndexViewUpdates
     from tests.conftest import left_padded_batch, tiny_model
 
-    rebuild, after, verifies = IndexViewUpdates.rebuild, [], []
+    rebuild, select = IndexViewUpdates.rebuild, reference.select_index_views
+    recorded, selected, after = [], [], []
 
     def recording(self, plan, *args, **kwargs):
-        layers = plan.score_layers  # a verify's layers write into one tensor; a prefill's are stacked
-        if layers is not None:
-            assert self.runner.stacked_scores(plan) is layers
-            assert all(plan.scores[i].data_ptr() == layers[i].data_ptr() for i in range(layers.shape[0]))
-        verifies.append(layers is not None)
+        recorded.append(plan.scores)
         rebuild(self, plan, *args, **kwargs)
-        after.append((kwargs.get("keep_scores", False), len(plan.scores), plan.score_layers is None))
+        after.append((kwargs.get("keep_scores", False), plan.scores is None))
+
+    def selecting(scores, *args, **kwargs):
+        selected.append(scores)
+        return select(scores, *args, **kwargs)
 
     monkeypatch.setattr(IndexViewUpdates, "rebuild", recording)
+    monkeypatch.setattr(reference, "select_index_views", selecting)
     model = enable(tiny_model("llama", seed=5))
     input_ids, attention_mask = left_padded_batch([9, 23, 15], seed=6)
     config = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4)
     model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12, s3r_config=config)
-    assert len(after) > 2 and any(verifies), (after, verifies)
-    assert all(kept > 0 if keep else kept == 0 and released for keep, kept, released in after), after
+    assert len(after) > 2 and len(selected) == len(recorded), (after, len(selected))
+    assert all(scores.shape[0] == model.config.num_hidden_layers for scores in recorded)
+    assert all(given is scores for given, scores in zip(selected, recorded))
+    assert all(keep != released for keep, released in after), after
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)

@@ -121,14 +121,14 @@ def engine_ab(reps: int, new_tokens: int) -> dict:
         slots = self.runner.tensor([r.slot for r in requests])
         history = plan.dense.history_lens
         budgets = self.config.budgets(contexts)
-        scores = self.runner.stacked_scores(plan)
+        scores = plan.scores
         layers, num_segments, heads, _ = scores.shape
         candidates = triton_backend.select_topk_candidates(
             scores.flatten(0, 1), history.repeat(layers), plan.dense.num_candidates
         ).view(layers, num_segments, heads, -1)[:, seg_index]
         self.cache.index_views.build(None, slots, candidates, history[seg_index], contexts, budgets, width=width)
         if not keep_scores:
-            plan.scores = {}
+            plan.scores = None
 
     model = enable(build_model("qwen3-1.7b", torch.bfloat16, "cuda")[0])
     batch, seq = 64, 8192

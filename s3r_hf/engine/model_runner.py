@@ -122,15 +122,6 @@ class ModelRunner:
     def capture_seconds(self) -> float:
         return self.graphs.capture_seconds if self.graphs is not None else 0.0
 
-    def stacked_scores(self, plan: StepPlan) -> torch.Tensor:
-        """Every layer's verify scores of the plan's forward, `[num_layers, Sd, Hkv, ctx]`, in one tensor for one
-        batched view refresh (the per-layer scores stay with the plan: `IndexViewUpdates.rebuild` releases them)."""
-        if len(plan.scores) != self.num_layers:
-            raise RuntimeError(f"the plan holds verify scores of {len(plan.scores)} of {self.num_layers} layers")
-        if plan.score_layers is not None:  # the layers wrote them into one tensor
-            return plan.score_layers
-        return torch.stack([plan.scores[layer] for layer in range(self.num_layers)])
-
     def tensor(self, values: list[int]) -> torch.Tensor:
         return to_device(values, self.device)
 

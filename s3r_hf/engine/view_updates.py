@@ -66,8 +66,10 @@ class IndexViewUpdates:
         slots = self.runner.tensor([r.slot for r in requests])
         history = plan.dense.history_lens[seg_index]
         budgets = self.config.budgets(contexts)
-        scores = self.runner.stacked_scores(plan)
+        scores = plan.scores
+        if scores is None:
+            raise RuntimeError("the plan's forward recorded no verify scores to rebuild index views from")
         views = get_backend(scores.device).select_index_views(scores, seg_index, history, contexts, budgets, width)
         self.cache.index_views.store(None, slots, views, budgets)
         if not keep_scores:
-            plan.scores, plan.score_layers = {}, None
+            plan.scores = None
