@@ -91,8 +91,9 @@ def test_prefill_attention_matches_the_paged_kernel_over_the_whole_step():
     dense = _on(dense, DEVICE)
     dense.paged, dense.scored = _on(dense.paged, DEVICE), _on(dense.scored, DEVICE)
     pools = SimpleNamespace(keys=key_pool.to(DEVICE), values=value_pool.to(DEVICE))
-    out, scores = _prefill_attention(query.to(DEVICE), key.to(DEVICE), value.to(DEVICE), pools, dense, scale,
-                                     get_backend(DEVICE))
+    scores = torch.full(expected_scores.shape, float("nan"), device=DEVICE)  # the layer's part of `StepPlan.scores`
+    out = _prefill_attention(query.to(DEVICE), key.to(DEVICE), value.to(DEVICE), pools, dense, scale,
+                             get_backend(DEVICE), scores)
     tolerance = 1e-5 if DEVICE.type == "cpu" else 1e-4
     torch.testing.assert_close(out.cpu(), expected_out, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(scores.cpu(), expected_scores, rtol=tolerance, atol=tolerance / 10)
