@@ -2,9 +2,10 @@
 (`torch.topk` over the stacked scores, then the merge with the recent window and its sort).
 
 Part 1 times both paths over synthetic verify scores at the shapes of the benchmarks (every layer of B requests
-at context S, 5% budgets) and checks that the Triton views equal the reference's exactly. Part 2 (`--engine`) times
-S3R rounds of the Qwen3-1.7B shape that refresh every round (forced acceptance), once with each path, in one
-process, with engine AR for scale.
+at context S, 5% budgets) and checks that the Triton views equal the reference's exactly. Its "triton path" stacks
+per-layer scores first, as the engine did before the verify wrote every layer into one tensor; the engine now pays the
+"kernel" column alone. Part 2 (`--engine`) times S3R rounds of the Qwen3-1.7B shape that refresh every round
+(forced acceptance), once with each path, in one process, with engine AR for scale.
 
     python tools/view_refresh.py [--sweep] [--engine] [--json out.json]
 """
