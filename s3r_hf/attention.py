@@ -107,9 +107,8 @@ def _prefill_attention(
     """A prefill step's attention `[N, Hq, D]`: each long chunk through torch's fused SDPA kernels, the shorter ones
     through the paged kernel in one unscored launch, and the scores of the scored queries from the paged kernel over
     those queries alone, written into `scores_out` (the same scores it gives over the whole step: each scored query
-    sees the same keys). A
-    chunk that starts at position 0 attends to its own K/V; a later chunk of a prompt to the K/V cached before it as
-    well, gathered from its pages."""
+    sees the same keys). A chunk that starts at position 0 attends to its own K/V; a later chunk of a prompt to the
+    K/V cached before it as well, gathered from its pages."""
     packed = query[0].transpose(0, 1)  # [N, Hq, D]
     out = torch.empty_like(packed)
     page_size = pools.keys.shape[1]
