@@ -92,7 +92,6 @@ class ModelRunner:
         self.scores_verify = scores_verify
         self.vocab_size = vocab_size
         self.device = cache.device
-        self.num_layers = cache.num_layers
         self.graphs: DecodeGraphs | None = None
         # Draft passes may run their float32 matmuls in TF32 (`S3RConfig.draft_matmul_precision`); the flag is left
         # alone for other dtypes, where toggling it would only make torch.compile build the layers again.
