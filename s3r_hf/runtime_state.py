@@ -15,9 +15,10 @@ end of a `kept_state(model)` block), and reused by every later call it fits:
 - how many calls used each fixed `S3RConfig.seed` (`call_seed`), so that successive calls draw new streams.
 
 Everything a graph reads by address must still be where it was captured: the model's parameters and buffers are
-fingerprinted (address, shape, dtype, device) on every call, and if any moved (`model.to(...)`, new modules, a
-state dict loaded with `assign=True`) the device state is dropped and rebuilt. Values changed in place keep their
-addresses, and the graphs read them as they are.
+fingerprinted (address, shape, dtype, device) on every call, with the modules, their hooks and their scalar
+attributes (a scale, a flag), and if any changed (`model.to(...)`, new modules, a state dict loaded with
+`assign=True`, an adapter switched off) the device state is dropped and rebuilt. Tensor values changed in place keep
+their addresses, and the graphs read them as they are.
 
 The runtime refers to the model weakly: it never keeps the model alive.
 """
@@ -250,7 +251,8 @@ def _fingerprint(model: torch.nn.Module) -> tuple:
         for tensor in tensors
     )
     modules = tuple(
-        (name, id(module), _hook_kinds(module._forward_pre_hooks), _hook_kinds(module._forward_hooks))
+        (name, id(module), _hook_kinds(module._forward_pre_hooks), _hook_kinds(module._forward_hooks),
+         _scalar_attributes(module))
         for name, module in model.named_modules()
     )
     # Hooks registered for every module (`torch.nn.modules.module.register_module_forward_hook`) run in the
@@ -258,6 +260,23 @@ def _fingerprint(model: torch.nn.Module) -> tuple:
     global_hooks = tuple(_hook_kinds(hooks) for hooks in (
         module_hooks._global_forward_pre_hooks, module_hooks._global_forward_hooks))
     return tensors, modules, global_hooks
+
+
+# Module flags that leave what an accepted call computes unchanged: dropout in training mode is refused
+# (`validation.check_no_active_dropout`), and gradient checkpointing changes nothing without gradients. TRL switches
+# both around its rollouts, and a rebuild each step would capture every graph again.
+_UNFINGERPRINTED_ATTRIBUTES = frozenset({"training", "gradient_checkpointing"})
+
+
+def _scalar_attributes(module: torch.nn.Module) -> tuple:
+    """A module's plain scalar attributes (an attention `scaling`, an adapter's on/off flag or active name): a CUDA
+    graph bakes in the values its forward read while it was captured, so a change must drop the graphs."""
+    return tuple(
+        (key, type(value), value)
+        for key, value in vars(module).items()
+        if key not in _UNFINGERPRINTED_ATTRIBUTES
+        and (value is None or isinstance(value, (bool, int, float, complex, str, bytes)))
+    )
 
 
 def _hook_kinds(hooks: dict) -> frozenset:

@@ -147,6 +147,39 @@ def test_a_module_swapped_in_between_calls_rebuilds_the_kept_state(compile_layer
     s3r_hf.release(model)
 
 
+def test_a_scalar_attribute_changed_between_calls_rebuilds_the_kept_state():
+    """A CUDA graph bakes in the scalars its forward read when it was captured (a wrapper's scale here; an adapter's
+    on/off flag or an attention `scaling` alike): a change must drop the kept graphs, or later calls replay the old
+    value and sample from another model."""
+    model = s3r_hf.enable(tiny_model("llama", seed=65).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=66)
+    attention = model.model.layers[0].self_attn
+    attention.q_proj = wrapper = _Scaled(attention.q_proj, 3.0)
+    _greedy(model, input_ids, attention_mask, _config())
+    pool = runtime_for(model).cache
+    wrapper.factor = -2.0
+    _rebuilt_and_dense(model, input_ids, attention_mask, pool)
+    s3r_hf.release(model)
+
+
+def test_training_and_checkpointing_flags_keep_the_kept_state():
+    """TRL switches training mode and gradient checkpointing around its rollouts; neither changes what an accepted
+    call computes, so neither may cost a rebuild (every graph captured again at each step)."""
+    model = s3r_hf.enable(tiny_model("llama", seed=67).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=68)
+    _greedy(model, input_ids, attention_mask, _config())
+    pool = runtime_for(model).cache
+    # The flags alone: the input hook `gradient_checkpointing_enable` also registers is fingerprinted as any hook is
+    # (TRL registers it before every rollout, so it is there at each call).
+    model.train()
+    for layer in model.model.layers:
+        layer.gradient_checkpointing = True
+    out = _greedy(model, input_ids, attention_mask, _config())
+    assert runtime_for(model).cache is pool
+    assert torch.equal(out, _greedy(model, input_ids, attention_mask))
+    s3r_hf.release(model)
+
+
 def test_a_hook_added_between_calls_rebuilds_the_kept_state():
     """CUDA graphs replay the kernels of the forward they captured: a hook added (or removed) since runs only if
     the kept graphs are dropped."""
