@@ -457,7 +457,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def bench_from_args(args: argparse.Namespace) -> list[dict] | dict:
     from s3r_hf.demo import positive_int
     from s3r_hf.models import resolve_device
-    from s3r_hf.rollout_bench import rollout_from_args
+    from s3r_hf.rollout_bench import rollout_flags_given, rollout_from_args
 
     args.device = str(resolve_device(args.device))  # a clear error for a device this machine does not have
     check_output_path(args.json, "--json")  # before anything runs, not after it
@@ -468,6 +468,10 @@ def bench_from_args(args: argparse.Namespace) -> list[dict] | dict:
         require("matplotlib", "bench", "--plot")
     if getattr(args, "rollout", False):
         return rollout_from_args(args)
+    rollout_only = rollout_flags_given(args)
+    if rollout_only:
+        raise UsageError(f"{', '.join(rollout_only)} {'applies' if len(rollout_only) == 1 else 'apply'} to the rollout "
+                         "benchmark only: add --rollout (the decode grid would ignore it)")
     args.batch = _sweep(args.batch if args.batch is not None else "16", "--batch", positive_int)
     args.seq = _sweep(args.seq, "--seq", positive_int)
     if args.requests is not None and args.requests < max(args.batch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -220,6 +221,10 @@ class OneLineErrorParser(argparse.ArgumentParser):
     error of the command, without the usage block; `--help` prints the usage."""
 
     def error(self, message: str) -> NoReturn:
+        flag = re.fullmatch(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
+        if flag is not None:
+            # argparse takes a value such as "-1,3" for a flag of its own and then misses the value.
+            message += f" (if the value starts with '-', write {flag.group(1)}=VALUE)"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

@@ -70,6 +70,7 @@ PRESETS = {"short": 1024, "medium": 2048, "long": 4096, "8k": 8192, "16k": 16384
 """`--preset` name -> `max_new_tokens`."""
 DEFAULT_PRESET = "medium"
 MODES = ("generate", "ar", "s3r-fixed", "s3r-adaptive")
+ROLLOUT_DEFAULTS = {"prompts": 8, "generations": 8, "calls": 3, "modes": ",".join(MODES), "seed": 0, "greedy": False}
 PACKAGED_PROMPTS = "rollout_prompts.json"
 """MATH-style problems shipped in `s3r_hf/data/`, the prompts when neither `--data` nor `--dataset` is given."""
 
@@ -542,20 +543,32 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "--json, --plot.",
     )
     group.add_argument("--rollout", action="store_true", help="run the rollout benchmark instead of the decode grid")
-    group.add_argument("--prompts", type=int, default=8, help="distinct prompts per batch (%(default)s)")
-    group.add_argument("--generations", type=int, default=8, help="responses per prompt, G (%(default)s)")
+    # The flags of this group default to None (their defaults are ROLLOUT_DEFAULTS), so the decode grid can tell
+    # which were given and refuse them instead of ignoring them.
+    group.add_argument("--prompts", type=int, default=None,
+                       help=f"distinct prompts per batch ({ROLLOUT_DEFAULTS['prompts']})")
+    group.add_argument("--generations", type=int, default=None,
+                       help=f"responses per prompt, G ({ROLLOUT_DEFAULTS['generations']})")
     group.add_argument("--preset", choices=sorted(PRESETS, key=PRESETS.get), default=None,
                        help="max_new_tokens: " + ", ".join(f"{k} {v}" for k, v in PRESETS.items())
                        + f" (default {DEFAULT_PRESET}; --max-new-tokens overrides)")
-    group.add_argument("--calls", type=int, default=3, help="timed calls per mode; the first is cold (%(default)s)")
-    group.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of %(default)s")
-    group.add_argument("--seed", type=int, default=0, help="call i of every mode samples from seed + i (%(default)s)")
+    group.add_argument("--calls", type=int, default=None,
+                       help=f"timed calls per mode; the first is cold ({ROLLOUT_DEFAULTS['calls']})")
+    group.add_argument("--modes", default=None, help=f"comma-separated subset of {ROLLOUT_DEFAULTS['modes']}")
+    group.add_argument("--seed", type=int, default=None,
+                       help=f"call i of every mode samples from seed + i ({ROLLOUT_DEFAULTS['seed']})")
     group.add_argument("--adaptive-draft-lengths", default=None,
                        help="S3RConfig.adaptive_draft_lengths of the s3r-adaptive mode, e.g. 0,3,6 (default: 0 and "
                        "--draft-len)")
-    group.add_argument("--greedy", action="store_true",
+    group.add_argument("--greedy", action="store_true", default=None,
                        help="decode greedily instead of sampling at T=1: exact modes generate the same responses, so "
                        "their times compare the same work")
+
+
+def rollout_flags_given(args: argparse.Namespace) -> list[str]:
+    """The rollout-only flags on the command line (`bench` without `--rollout` refuses them)."""
+    flags = ("prompts", "generations", "preset", "calls", "modes", "seed", "adaptive_draft_lengths", "greedy")
+    return ["--" + name.replace("_", "-") for name in flags if getattr(args, name, None) is not None]
 
 
 def _single(values: str, flag: str, kind: type) -> Any:
@@ -580,6 +593,8 @@ def _lengths(values: str | None) -> tuple[int, ...] | None:
 
 def rollout_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Check the flags and resolve them into the run's settings; `RolloutUsageError` names the first bad one."""
+    args = argparse.Namespace(**{**vars(args), **{
+        name: default for name, default in ROLLOUT_DEFAULTS.items() if getattr(args, name, None) is None}})
     for flag in ("batch", "requests"):  # the decode grid's; `bench` leaves them None unless given
         if getattr(args, flag, None) is not None:
             raise RolloutUsageError(f"--{flag} does not apply with --rollout (B = --prompts x --generations)")

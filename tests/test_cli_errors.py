@@ -193,6 +193,13 @@ def test_fused_layers_on_a_model_they_do_not_fit_is_one_line(capsys: pytest.Capt
     (["--dataset", "x/y"], "--dataset gives prompts to real models"),
     (["--rollout", "--data", "/nonexistent.json"], "--data gives prompts to real models"),
     (["--rollout", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    # Rollout-only flags on the decode grid: they were ignored.
+    (["--greedy"], "--greedy applies to the rollout benchmark only: add --rollout"),
+    (["--calls", "2", "--adaptive-draft-lengths", "0,3"], "--calls, --adaptive-draft-lengths apply to the rollout"),
+    # A value argparse takes for a flag: the error says how to give it.
+    (["--rollout", "--adaptive-draft-lengths", "-1,3"],
+     "expected one argument (if the value starts with '-', write --adaptive-draft-lengths=VALUE)"),
+    (["--rollout", "--adaptive-draft-lengths=-1,3"], "adaptive_draft_lengths must include 0 and draft_len"),
 ])
 def test_a_bad_bench_flag_is_one_line_before_anything_runs(flags: list[str], message: str, capsys) -> None:
     err = run_cli(["bench", "--model", "qwen3-tiny", "--device", "cpu", "--dtype", "float32", *flags], capsys)
