@@ -31,6 +31,7 @@ from transformers.integrations.fsdp import is_fsdp_managed_module
 from s3r_hf.model_session import check_not_nested
 from s3r_hf.sharding import is_gathered
 from s3r_hf.validation import (
+    check_checkpointing_keeps_the_cache,
     check_generation_config,
     check_logits_processors,
     check_model_inputs,
@@ -63,6 +64,7 @@ def check_generate_call(
         check_not_synced(model, synced_gpus or dropped.get("synced_gpus"))
         check_model_inputs(model_kwargs)
         check_no_active_dropout(model)
+        check_checkpointing_keeps_the_cache(model)
         check_logits_processors(logits_processor)
     return streamer
 

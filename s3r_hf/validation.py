@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import torch
+import transformers
+from packaging import version
 from transformers import GenerationConfig, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging
 
 from s3r_hf.errors import ContextWindowError
@@ -227,6 +230,28 @@ def check_no_active_dropout(model: PreTrainedModel) -> None:
             "generate would sample from the dropout-perturbed model, S3R's forwards apply no dropout, so the "
             "samples would differ; call model.eval() before generate (or set the dropout rates to 0)"
         )
+
+
+# transformers before 5.24 checkpoints a decoder layer whenever its gradient checkpointing is on in training mode,
+# with gradients or without, and then drops the KV cache from the layer's arguments.
+CHECKPOINTING_DROPS_THE_CACHE = version.parse(transformers.__version__) < version.parse("5.24")
+
+
+def check_checkpointing_keeps_the_cache(model: PreTrainedModel) -> None:
+    """Refuse a model whose decoder layers would run without the KV cache: gradient checkpointing on in training
+    mode, where transformers drops the cache (`CHECKPOINTING_DROPS_THE_CACHE`). No key or value would reach S3R's
+    pool, and every token would be sampled from a model that attends to nothing before it. TRL's trainers turn
+    gradient checkpointing off around generation, so they pass."""
+    if not CHECKPOINTING_DROPS_THE_CACHE:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing and module.training:
+            raise ValueError(
+                f"S3R cannot generate while gradient checkpointing is on in training mode: transformers "
+                f"{transformers.__version__} runs {name} without the KV cache then, even without gradients, so S3R's "
+                "cache would get no keys or values; call model.gradient_checkpointing_disable() (or model.eval()) "
+                "around generate, as TRL's trainers do, or upgrade transformers to 5.24 or later"
+            )
 
 
 def model_dropout(model: PreTrainedModel, training_modules_only: bool = False) -> str | None:

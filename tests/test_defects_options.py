@@ -11,6 +11,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import s3r_hf
+import s3r_hf.validation
 from s3r_hf import S3RConfig
 from s3r_hf.validation import prompt_rows
 from tests.conftest import left_padded_batch, tiny_model
@@ -171,6 +172,24 @@ def test_training_mode_without_dropout_generates_as_dense():
     model, input_ids, attention_mask = _model_and_batch(78)
     model.train()
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=12)
+    assert torch.equal(model.generate(input_ids, s3r_config=CONFIG, **kwargs), model.generate(input_ids, **kwargs))
+
+
+def test_checkpointing_that_drops_the_cache_is_refused(monkeypatch):
+    """Before transformers 5.24 a decoder layer with gradient checkpointing on in training mode runs without the KV
+    cache even under no_grad: S3R's pool would get no keys or values, and every sample would come from a model that
+    sees no context. Refused there, naming the remedy TRL applies; from 5.24 the layer keeps its cache."""
+    model, input_ids, attention_mask = _model_and_batch(79)
+    model.train()
+    model.model.layers[1].gradient_checkpointing = True
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=12)
+    with monkeypatch.context() as patch:
+        patch.setattr(s3r_hf.validation, "CHECKPOINTING_DROPS_THE_CACHE", True)
+        with pytest.raises(ValueError, match=r"model\.layers\.1 without the KV cache.*gradient_checkpointing_disable"):
+            model.generate(input_ids, s3r_config=CONFIG, **kwargs)
+    if not s3r_hf.validation.CHECKPOINTING_DROPS_THE_CACHE:  # the installed transformers keeps the cache
+        assert torch.equal(model.generate(input_ids, s3r_config=CONFIG, **kwargs), model.generate(input_ids, **kwargs))
+    model.model.layers[1].gradient_checkpointing = False  # accepted on any version
     assert torch.equal(model.generate(input_ids, s3r_config=CONFIG, **kwargs), model.generate(input_ids, **kwargs))
 
 

@@ -19,6 +19,7 @@ from s3r_hf.cuda_graphs import DecodeGraphs
 from s3r_hf.draft_phase import DraftPhase
 from s3r_hf.logits import RaggedLogitsProcessor
 from s3r_hf.runtime_state import GRAPH_HEADROOM, GRAPH_MIN_TOKENS, ModelRuntime, runtime_for
+from s3r_hf.validation import CHECKPOINTING_DROPS_THE_CACHE
 from tests.conftest import left_padded_batch, tiny_model
 
 # On a GPU machine (`S3R_HF_TEST_DEVICE=cuda`) the kept state includes CUDA graphs.
@@ -164,19 +165,27 @@ def test_a_scalar_attribute_changed_between_calls_rebuilds_the_kept_state():
 
 def test_training_and_checkpointing_flags_keep_the_kept_state():
     """TRL switches training mode and gradient checkpointing around its rollouts; neither changes what an accepted
-    call computes, so neither may cost a rebuild (every graph captured again at each step)."""
+    call computes, so neither may cost a rebuild (every graph captured again at each step). Where transformers drops
+    the cache from checkpointed layers even without gradients, the call is refused instead
+    (`test_defects_options::test_checkpointing_that_drops_the_cache_is_refused`)."""
     model = s3r_hf.enable(tiny_model("llama", seed=67).to(DEVICE))
     input_ids, attention_mask = _batch(seed=68)
     _greedy(model, input_ids, attention_mask, _config())
     pool = runtime_for(model).cache
-    # The flags alone: the input hook `gradient_checkpointing_enable` also registers is fingerprinted as any hook is
-    # (TRL registers it before every rollout, so it is there at each call).
     model.train()
+    assert torch.equal(_greedy(model, input_ids, attention_mask, _config()), _greedy(model, input_ids, attention_mask))
+    assert runtime_for(model).cache is pool
+    # The flag alone: the input hook `gradient_checkpointing_enable` also registers is fingerprinted as any hook is
+    # (TRL registers it before every rollout, so it is there at each call).
     for layer in model.model.layers:
         layer.gradient_checkpointing = True
-    out = _greedy(model, input_ids, attention_mask, _config())
-    assert runtime_for(model).cache is pool
-    assert torch.equal(out, _greedy(model, input_ids, attention_mask))
+    if CHECKPOINTING_DROPS_THE_CACHE:
+        with pytest.raises(ValueError, match="gradient checkpointing is on in training mode"):
+            _greedy(model, input_ids, attention_mask, _config())
+    else:
+        out = _greedy(model, input_ids, attention_mask, _config())
+        assert runtime_for(model).cache is pool
+        assert torch.equal(out, _greedy(model, input_ids, attention_mask))
     s3r_hf.release(model)
 
 
