@@ -240,7 +240,7 @@ CHECKPOINTING_DROPS_THE_CACHE = version.parse(transformers.__version__) < versio
 def check_checkpointing_keeps_the_cache(model: PreTrainedModel) -> None:
     """Refuse a model whose decoder layers would run without the KV cache: gradient checkpointing on in training
     mode, where transformers drops the cache (`CHECKPOINTING_DROPS_THE_CACHE`). No key or value would reach S3R's
-    pool, and every token would be sampled from a model that attends to nothing before it. TRL's trainers turn
+    pool, and every token would be sampled from a model that never sees its context. TRL's trainers turn
     gradient checkpointing off around generation, so they pass."""
     if not CHECKPOINTING_DROPS_THE_CACHE:
         return
