@@ -125,27 +125,34 @@ def test_prefix_allowed_tokens_fn_is_called_with_real_histories_only(do_sample):
 
 
 @pytest.mark.parametrize("top_k", [1, 0], ids=["point-mass", "sampled"])
-def test_prefix_allowed_tokens_fn_with_several_sequences_per_prompt_gets_the_prompts_index(top_k):
+def test_prefix_allowed_tokens_fn_with_several_sequences_per_prompt_gets_denses_batch_ids(top_k):
     """With `num_return_sequences` > 1 dense `generate` calls the function with the prompt's index (row // sequences
-    per prompt), and so does S3R: the function here allows tokens by prompt and refuses an index past the prompts."""
+    per prompt; transformers 5.24 and later) or with the row's (earlier releases), as the processor it builds says;
+    S3R calls it with the same ids. The function here allows tokens by batch id, so another id shows in the tokens."""
     model, input_ids, attention_mask = _model_and_batch(77)
-    prompts = input_ids.shape[0]
-    seen: set[int] = set()
+    prompts, sequences = input_ids.shape[0], 3
+    seen: dict[str, set[int]] = {"dense": set(), "s3r": set()}
 
-    def allowed(batch_id: int, sent: torch.Tensor) -> list[int]:
-        assert batch_id < prompts, f"batch id {batch_id} of {prompts} prompts"
-        seen.add(batch_id)
-        return list(range(10 + 40 * batch_id, 40 + 40 * batch_id))
+    def allowed_by(method: str):
+        def allowed(batch_id: int, sent: torch.Tensor) -> list[int]:
+            seen[method].add(batch_id)
+            return list(range(10 + 40 * batch_id, 40 + 40 * batch_id))
 
-    options = dict(max_new_tokens=8, do_sample=True, top_k=top_k, num_return_sequences=3,
-                   prefix_allowed_tokens_fn=allowed)
-    out = model.generate(input_ids, attention_mask=attention_mask, s3r_config=CONFIG, **options)
-    assert seen == set(range(prompts))
-    rows_prompt = torch.arange(out.shape[0]) // 3
+        return allowed
+
+    options = dict(max_new_tokens=8, do_sample=True, top_k=top_k, num_return_sequences=sequences)
+    dense = model.generate(input_ids, attention_mask=attention_mask, prefix_allowed_tokens_fn=allowed_by("dense"),
+                           **options)
+    out = model.generate(input_ids, attention_mask=attention_mask, s3r_config=CONFIG,
+                         prefix_allowed_tokens_fn=allowed_by("s3r"), **options)
+    by_prompt = seen["dense"] == set(range(prompts))
+    assert by_prompt or seen["dense"] == set(range(prompts * sequences))
+    assert seen["s3r"] == seen["dense"]
+    rows_id = torch.arange(out.shape[0]) // (sequences if by_prompt else 1)
     new = out[:, input_ids.shape[1]:]
-    assert ((new >= 10 + 40 * rows_prompt[:, None]) & (new < 40 + 40 * rows_prompt[:, None])).all()
+    assert ((new >= 10 + 40 * rows_id[:, None]) & (new < 40 + 40 * rows_id[:, None])).all()
     if top_k == 1:  # a point mass: exactness means token identity
-        assert torch.equal(out, model.generate(input_ids, attention_mask=attention_mask, **options))
+        assert torch.equal(out, dense)
 
 
 # ---------------------------------------------------------------- item 5: training mode
