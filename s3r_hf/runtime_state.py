@@ -263,8 +263,9 @@ def _fingerprint(model: torch.nn.Module) -> tuple:
 
 
 # Module flags that leave what an accepted call computes unchanged: dropout in training mode is refused
-# (`validation.check_no_active_dropout`), and gradient checkpointing changes nothing without gradients. TRL switches
-# both around its rollouts, and a rebuild each step would capture every graph again.
+# (`validation.check_no_active_dropout`), and gradient checkpointing changes nothing without gradients (where it
+# would drop the cache, `validation.check_checkpointing_keeps_the_cache` refuses the call). A training loop that
+# switches them between calls must not pay a rebuild, every graph captured again, for them.
 _UNFINGERPRINTED_ATTRIBUTES = frozenset({"training", "gradient_checkpointing"})
 
 

@@ -164,8 +164,8 @@ def test_a_scalar_attribute_changed_between_calls_rebuilds_the_kept_state():
 
 
 def test_training_and_checkpointing_flags_keep_the_kept_state():
-    """TRL switches training mode and gradient checkpointing around its rollouts; neither changes what an accepted
-    call computes, so neither may cost a rebuild (every graph captured again at each step). Where transformers drops
+    """A training loop switches training mode and gradient checkpointing between its rollouts; neither changes what
+    an accepted call computes, so neither may cost a rebuild (every graph captured again). Where transformers drops
     the cache from checkpointed layers even without gradients, the call is refused instead
     (`test_defects_options::test_checkpointing_that_drops_the_cache_is_refused`)."""
     model = s3r_hf.enable(tiny_model("llama", seed=67).to(DEVICE))
@@ -175,8 +175,7 @@ def test_training_and_checkpointing_flags_keep_the_kept_state():
     model.train()
     assert torch.equal(_greedy(model, input_ids, attention_mask, _config()), _greedy(model, input_ids, attention_mask))
     assert runtime_for(model).cache is pool
-    # The flag alone: the input hook `gradient_checkpointing_enable` also registers is fingerprinted as any hook is
-    # (TRL registers it before every rollout, so it is there at each call).
+    # The flag alone: the input hook `gradient_checkpointing_enable` also registers is fingerprinted as any hook is.
     for layer in model.model.layers:
         layer.gradient_checkpointing = True
     if CHECKPOINTING_DROPS_THE_CACHE:
