@@ -22,9 +22,7 @@ from s3r_hf.model_session import on_device
 from s3r_hf.request import Request, RequestStatus
 from s3r_hf.runtime_state import call_seed
 from s3r_hf.sampler import call_generators
-from s3r_hf.validation import (
-    prompt_rows,
-)
+from s3r_hf.validation import check_rope_frequencies, prompt_rows
 
 _SLOT = 0  # transformers' assisted loop runs batch size 1: one request in slot 0
 
@@ -182,6 +180,8 @@ def assisted_generate(
             )
         if model_kwargs.get("attention_mask") is not None and not bool(model_kwargs["attention_mask"].all()):
             raise ValueError("assisted decoding with S3R takes an unpadded prompt")
+        check_rope_frequencies(model, [input_ids[0]], generation_config.max_length - input_ids.shape[1],
+                               config.draft_len)
         max_tokens = generation_config.max_length + config.draft_len + 1
         cache = S3RCache(
             model.config, num_pages=-(-max_tokens // config.page_size), page_size=config.page_size, max_requests=1,

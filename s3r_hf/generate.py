@@ -37,6 +37,7 @@ from s3r_hf.stopping import BatchStopping
 from s3r_hf.validation import (
     check_context_window,
     check_model_supported,
+    check_rope_frequencies,
     prompt_rows,
 )
 
@@ -103,6 +104,7 @@ def generate(
         eos_ids, max_length = _native_stops(stopping_criteria, generation_config)
         max_new = max(max_length - padded_len, 1)  # dense generates one token before it asks a criterion to stop
         check_context_window(model, prompts, max_new)
+        check_rope_frequencies(model, prompts, max_new, config.draft_len)
         for option in ("compile_layers", "fused_layers"):
             if getattr(config, option):
                 check_no_hooks_in_layers(model, option)

@@ -28,6 +28,16 @@ def text_config(model: PreTrainedModel):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+# Attention layers that reach `AttentionInterface` with other keys or values than the ones they cached. S3R's kernels
+# read the cached K/V from its pool, so it would compute other attention than theirs without a word.
+_ATTENTION_S3R_CANNOT_READ = {
+    "diffllama": "differential attention calls the attention function on halves of the cached values, while S3R "
+    "reads whole cached values from its KV pool",
+}
+_LATENT_ATTENTION = ("multi-head latent attention (kv_lora_rank) caches keys and values of other widths than "
+                     "head_dim, which S3R's KV pool does not hold")
+
+
 def check_model_supported(model: PreTrainedModel) -> None:
     """Raise `UnsupportedModelError` for models S3R cannot serve exactly.
 
@@ -58,6 +68,11 @@ def check_model_supported(model: PreTrainedModel) -> None:
     for attribute in ("attention_chunk_size", "sliding_window_pattern"):
         if getattr(config, attribute, None):
             raise UnsupportedModelError(f"{name}: {attribute} attention is not supported by S3R")
+    reason = _ATTENTION_S3R_CANNOT_READ.get(config.model_type)
+    if reason is None and getattr(config, "kv_lora_rank", None) is not None:
+        reason = _LATENT_ATTENTION
+    if reason is not None:
+        raise UnsupportedModelError(f"{name} (model_type={config.model_type!r}): {reason}")
     check_attention_implementation(model)
 
 
@@ -271,6 +286,48 @@ def model_dropout(model: PreTrainedModel, training_modules_only: bool = False) -
 
 def context_window(model: PreTrainedModel) -> int | None:
     return getattr(text_config(model), "max_position_embeddings", None)
+
+
+def longrope_switch(model: PreTrainedModel) -> int | None:
+    """The length past which a longrope model's rotary frequencies switch from its short factors to its long ones
+    (`original_max_position_embeddings`; the smallest over layer types), or None if no layer uses longrope."""
+    parameters = getattr(text_config(model), "rope_parameters", None) or {}
+    per_layer_type = bool(parameters) and all(isinstance(value, dict) for value in parameters.values())
+    entries = list(parameters.values()) if per_layer_type else [parameters]
+    switches = [
+        entry.get("original_max_position_embeddings")
+        for entry in entries
+        if (entry.get("rope_type") or entry.get("type")) == "longrope"
+    ]
+    switches = [s for s in switches if s is not None]
+    return min(switches) if switches else None
+
+
+def check_rope_frequencies(
+    model: PreTrainedModel, prompts: list[torch.Tensor], max_new_tokens: int, lookahead: int
+) -> None:
+    """Refuse a call on a longrope model (Phi-3 and Phi-4-mini long-context checkpoints) whose positions can reach
+    the length where its rotary frequencies switch.
+
+    transformers picks a longrope layer's short or long factors for a whole forward from the forward's largest
+    position, and rotates the keys it caches with them. Dense decoding crosses the switch at one step, with every
+    row of its batch; S3R's draft and verify forwards hold other positions (up to `lookahead` ahead of the committed
+    tokens, several requests packed together), so they would cross it at other steps, rotate some keys with the
+    other factors, and sample something else. Below the switch every forward uses the short factors in both."""
+    switch = longrope_switch(model)
+    if switch is None or not prompts:
+        return
+    longest = max(prompt.shape[0] for prompt in prompts)
+    if longest + max_new_tokens + lookahead > switch:
+        room = switch - longest - lookahead
+        remedy = f"ask for at most {room} new tokens" if room > 0 else "shorten the prompt"
+        raise ContextWindowError(
+            f"{type(model).__name__} uses longrope rotary embeddings, whose frequencies switch to the long factors "
+            f"once a forward holds a position past original_max_position_embeddings={switch}; S3R's draft and verify "
+            f"forwards would cross it at other steps than dense decoding (the {longest}-token prompt, "
+            f"max_new_tokens={max_new_tokens} and draft_len={lookahead} reach {longest + max_new_tokens + lookahead}) "
+            f"and would not sample what dense generate samples: {remedy}, or generate without s3r_config"
+        )
 
 
 # Logits processors whose output depends on more than the current scores and `input_ids` rows: they run a model or

@@ -14,7 +14,7 @@ import s3r_hf
 import s3r_hf.validation
 from s3r_hf import S3RConfig
 from s3r_hf.validation import prompt_rows
-from tests.conftest import left_padded_batch, tiny_model
+from tests.conftest import TINY, left_padded_batch, tiny_model
 
 CONFIG = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
 
@@ -326,3 +326,77 @@ def test_rows_that_finished_hold_zero_scores():
     assert finished_before.any()
     for step, scores in enumerate(out.scores):
         assert bool((scores[finished_before[:, step]] == 0).all())
+
+
+# ---------------------------------------------------------------- rotary embeddings that switch with the forward
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+            "long_factor": [float(50 + 30 * i) for i in range(8)], "original_max_position_embeddings": 32}
+
+
+def test_longrope_is_exact_below_its_switch_and_refused_past_it(monkeypatch):
+    """A longrope model's forward rotates with its long factors once it holds a position past
+    `original_max_position_embeddings`, and S3R's forwards hold other positions than dense decoding's: below the
+    switch the two agree token for token, a call that can reach it is refused with the length that fits."""
+    model = s3r_hf.enable(tiny_model("llama", seed=91, max_position_embeddings=512, rope_parameters=LONGROPE))
+    input_ids, attention_mask = left_padded_batch([6, 10], seed=92)
+    greedy = dict(attention_mask=attention_mask, do_sample=False)
+    dense = model.generate(input_ids, max_new_tokens=16, **greedy)
+    assert torch.equal(model.generate(input_ids, max_new_tokens=16, s3r_config=S3RConfig(), **greedy), dense)
+    with pytest.raises(s3r_hf.ContextWindowError, match=r"longrope.*original_max_position_embeddings=32.*at most 16"):
+        model.generate(input_ids, max_new_tokens=17, s3r_config=S3RConfig(), **greedy)
+    plain = tiny_model("llama", seed=91, max_position_embeddings=512, rope_parameters=LONGROPE)
+    with pytest.raises(s3r_hf.ContextWindowError, match="longrope"):  # transformers' assisted loop with S3R drafts
+        plain.generate(input_ids[1:], do_sample=False, max_new_tokens=17, custom_generate=s3r_hf.assisted_generate,
+                       s3r_config=S3RConfig())
+    # Past the switch the two part, which is what the refusal prevents: dense decoding rotates every key from the
+    # switch on with the long factors, S3R's wider forwards switch at other steps.
+    monkeypatch.setattr(s3r_hf.validation, "longrope_switch", lambda model: None)
+    past = dict(max_new_tokens=30, return_dict_in_generate=True, output_logits=True, **greedy)
+    dense, unchecked = model.generate(input_ids, **past), model.generate(input_ids, s3r_config=S3RConfig(), **past)
+    gaps = [float((d - s).abs().max()) for d, s in zip(dense.logits, unchecked.logits)]
+    assert max(gaps[:16]) < 1e-4 < max(gaps)
+
+
+# ---------------------------------------------------------------- attention that reads other K/V than it cached
+def _diffllama():
+    from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
+
+    torch.manual_seed(93)
+    return DiffLlamaForCausalLM(DiffLlamaConfig(**{**TINY, "max_position_embeddings": 512})).eval()
+
+
+def _latent_attention():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(94)
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+    )).eval()
+
+
+@pytest.mark.parametrize("build, reason", [
+    (_diffllama, "differential attention"), (_latent_attention, "multi-head latent attention"),
+], ids=["diffllama", "latent-attention"])
+def test_attention_that_reads_other_kv_than_it_caches_is_refused(build, reason):
+    """DiffLlama calls the attention on halves of its cached values and latent attention caches K/V of other widths
+    than `head_dim`: S3R, which reads whole cached K/V from its pool, would compute something else (DiffLlama: other
+    tokens from the prefill on) or fail inside a kernel. Both are refused by name."""
+    model = build()
+    input_ids, attention_mask = left_padded_batch([5, 9], seed=95)
+    with pytest.raises(s3r_hf.UnsupportedModelError, match=reason):
+        s3r_hf.enable(model)
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, s3r_config=CONFIG)
+
+
+def test_a_layer_that_caches_kv_the_pool_cannot_hold_is_refused_by_its_shapes(monkeypatch):
+    """Past the refusals by name, a layer whose cached K/V do not fit the pool's shape (sized from the config)
+    stops the call with an error that gives both shapes, not a kernel's indexing error."""
+    monkeypatch.setattr(s3r_hf.validation, "_LATENT_ATTENTION", None)
+    model = s3r_hf.enable(_latent_attention())
+    input_ids, attention_mask = left_padded_batch([5, 9], seed=96)
+    shapes = r"layer 0 caches keys of \(heads, head dim\) \(\d+, 16\) .* holds \(4, 8\)"
+    with pytest.raises(s3r_hf.UnsupportedModelError, match=shapes):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, s3r_config=CONFIG)

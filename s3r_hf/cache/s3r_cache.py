@@ -15,6 +15,7 @@ from s3r_hf.cache.page_allocator import KVCapacityError, PageAllocator
 from s3r_hf.cache.score_recorder import VerifyScoreRecorder
 from s3r_hf.kernels import get_backend
 from s3r_hf.staging import to_device
+from s3r_hf.validation import UnsupportedModelError
 
 # Plain-mode handoff (see `S3RCache.update`): the attention function of the same layer, called right after
 # `update` on the same thread, picks up which cache and layer it serves. Packed engine steps do not use it.
@@ -76,6 +77,19 @@ def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     return text_config.num_hidden_layers, num_kv_heads, head_dim
+
+
+def _check_kv_fits_pool(layer_idx: int, pool: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Raise `UnsupportedModelError` where the keys or values a layer caches (`[B, heads, T, head dim]`) do not have
+    the pool's heads and head dim (`[pages, page, KV heads, head dim]`, sized from the config): S3R cannot serve that
+    layer's attention, and says so rather than fail inside a kernel."""
+    heads, dim = pool.shape[2:]
+    if keys.shape[1] != heads or keys.shape[-1] != dim or values.shape[1] != heads or values.shape[-1] != dim:
+        raise UnsupportedModelError(
+            f"layer {layer_idx} caches keys of (heads, head dim) ({keys.shape[1]}, {keys.shape[-1]}) and values of "
+            f"({values.shape[1]}, {values.shape[-1]}), while S3R's KV pool holds ({heads}, {dim}) (the config's "
+            "num_key_value_heads and head_dim): S3R cannot serve this model's attention"
+        )
 
 
 def page_bytes(config: PretrainedConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -303,6 +317,7 @@ class S3RCache(Cache):
         """
         layer = self.layers[layer_idx]
         if self.step is not None:
+            _check_kv_fits_pool(layer_idx, layer.keys, key_states, value_states)
             get_backend(self.device).write_kv(
                 layer.keys, layer.values, self.step.write_index, key_states[0].transpose(0, 1),
                 value_states[0].transpose(0, 1),
