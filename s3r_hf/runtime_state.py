@@ -82,15 +82,23 @@ class ModelRuntime:
         self._pages_wanted = 0  # the page count the pool was sized for (before a cap by free memory)
         self._fingerprint: tuple | None = None
         self._graphs_layers: tuple | None = None  # the layers' implementation the graphs were captured with
+        # Whether part of the state was made under `torch.inference_mode`: its tensors are inference tensors, which
+        # a later call outside that mode may not update in place.
+        self._has_inference_tensors = False
 
     # ---------------------------------------------------------------- the model
     def check_model(self, model: PreTrainedModel) -> None:
         """Drop the device state if any parameter or buffer of `model` moved or changed shape or dtype since the
         state was built (captured graphs would read stale addresses), or a module or forward hook was swapped in,
-        added or removed (`_fingerprint`)."""
+        added or removed (`_fingerprint`); also if part of it was made under `torch.inference_mode` and this call
+        runs outside it."""
         fingerprint = _fingerprint(model)
         if self._fingerprint is not None and fingerprint != self._fingerprint and self.cache is not None:
             logger.info("the model's weights, modules or hooks changed: S3R rebuilds its kept state")
+            self.drop_device_state()
+        if self._has_inference_tensors and not torch.is_inference_mode_enabled():
+            logger.info("S3R's kept state was made under torch.inference_mode, and this call runs outside it, where "
+                        "its tensors cannot be written: it is rebuilt")
             self.drop_device_state()
         self._fingerprint = fingerprint
 
@@ -166,11 +174,16 @@ class ModelRuntime:
         self.cache = cache
         self.forward = ModelForward(model, cache)
         self._pages_wanted = pages_wanted
+        self._note_made()
 
     def drop_device_state(self) -> None:
         """Free the pool, the graphs and the fused weights (their memory returns to torch's allocator)."""
         self.cache = self.forward = self.graphs = self.fused = None
         self._pages_wanted = 0
+        self._has_inference_tensors = False
+
+    def _note_made(self) -> None:
+        self._has_inference_tensors |= torch.is_inference_mode_enabled()
 
     # ---------------------------------------------------------------- graphs and fused weights
     def graphs_for(self, max_pages: int, config: S3RConfig) -> DecodeGraphs:
@@ -200,12 +213,14 @@ class ModelRuntime:
             budget = config.budget(pages * page_size)
             graphs = self.graphs = DecodeGraphs(self.cache, self.forward, pages, config.draft_len, budget)
             self._graphs_layers = _layers_of(config, self.cache.device)
+            self._note_made()
         return graphs
 
     def fused_projections(self, make) -> FusedProjections:
         """The kept fused projections, or `make()`'s on first use."""
         if self.fused is None:
             self.fused = make()
+            self._note_made()
         return self.fused
 
     def device_bytes(self) -> int:

@@ -69,6 +69,25 @@ def test_a_second_call_reuses_the_kv_pool_and_stays_exact():
     s3r_hf.release(model)
 
 
+def test_state_made_under_inference_mode_is_rebuilt_for_a_call_outside_it():
+    """`torch.inference_mode` makes inference tensors, which no call outside it may write: a pool (and graphs) made in
+    a call under it is rebuilt for the next plain call, while state made outside it serves calls under it."""
+    model = s3r_hf.enable(tiny_model("llama", seed=46).to(DEVICE))
+    input_ids, attention_mask = _batch(seed=47)
+    dense = _greedy(model, input_ids, attention_mask)
+    with torch.inference_mode():
+        assert torch.equal(_greedy(model, input_ids, attention_mask, _config()), dense)
+    pool = runtime_for(model).cache
+    assert pool.layers[0].keys.is_inference()
+    _rebuilt_and_dense(model, input_ids, attention_mask, pool)
+    plain_pool = runtime_for(model).cache
+    with torch.inference_mode():
+        assert torch.equal(_greedy(model, input_ids, attention_mask, _config()), dense)
+    assert runtime_for(model).cache is plain_pool  # the other way round it is kept
+    assert torch.equal(_greedy(model, input_ids, attention_mask, _config()), dense)
+    s3r_hf.release(model)
+
+
 def test_a_call_that_does_not_fit_builds_a_new_pool():
     model = s3r_hf.enable(tiny_model("qwen3", seed=42).to(DEVICE))
     input_ids, attention_mask = _batch()
