@@ -341,6 +341,14 @@ def test_sparse_attention_matches_reference(page_size, group, view_width, key_sp
     torch.testing.assert_close(actual[1], expected[1], **TOL)
 
 
+def test_sparse_attention_under_a_launch_override_matches_reference(monkeypatch):
+    """`SPARSE_LAUNCH_OVERRIDE` (how `tools/sparse_launch_ab.py` times other settings in the engine) changes how the
+    kernel tiles its keys (here 16 a tile, where the chosen tile holds them all), not what it computes."""
+    monkeypatch.setattr(triton_backend, "SPARSE_LAUNCH_OVERRIDE", {"BLOCK_N": 16, "num_warps": 2, "num_stages": 2})
+    assert triton_backend.sparse_constants(2, 16, 4, torch.float32)["BLOCK_N"] == 16
+    test_sparse_attention_matches_reference(page_size=4, group=2, view_width=70, key_splits=None)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_kernels_take_a_transposed_half_precision_query(splits, monkeypatch):
     """The attention function hands the kernels a transposed view of the projection (no copy) and reads their

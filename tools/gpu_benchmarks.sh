@@ -90,6 +90,9 @@
 #   view-refresh the index-view refresh: select_index_views against the torch.topk path it replaced, at the SmolLM2
 #                and Qwen3-1.7B shapes (exactness and time), then S3R rounds refreshing every round on the Qwen3-1.7B
 #                shape with each path (tools/view_refresh.py; VIEW_ARGS replaces its arguments, default --sweep --engine)
+#   sparse-launch  the sparse draft kernel's launch settings swept at one layer, then engine AR and S3R on the
+#                Qwen3-1.7B shape (B=64, S=8K, forced acceptance) with the chosen and the fastest unsplit setting
+#                (tools/sparse_launch_ab.py; SPARSE_ARGS adds its options)
 #   kv-pressure  the paper's Table 2: long rollouts from short prompts on the Qwen3-1.7B shape (forced acceptance), the
 #                KV pool at half the peak need; engine AR, S3R with offload at fixed limits 128/160/256, S3R with AIMD,
 #                lockstep and mixed-stage steps (tools/kv_pressure.py; KVP_ARGS adds its options, KVP_TIMEOUT 540 s)
@@ -350,6 +353,11 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     # shellcheck disable=SC2086  # KVP_ARGS is a list of options
     timeout ${KVP_TIMEOUT:-540} python3 tools/kv_pressure.py ${KVP_ARGS:-} --json "$OUT/kv_pressure.json" 2>&1 \
       | grep -v -i warn | tee "$OUT/kv_pressure.log" | tail -30
+    ;;
+  sparse-launch)
+    # shellcheck disable=SC2086  # SPARSE_ARGS is a list of options
+    timeout ${SPARSE_TIMEOUT:-540} python3 tools/sparse_launch_ab.py ${SPARSE_ARGS:-} --json "$OUT/sparse_launch.json" 2>&1 \
+      | grep -v -i warn | tee "$OUT/sparse_launch.log" | tail -30
     ;;
   view-refresh)
     # shellcheck disable=SC2086  # VIEW_ARGS is a list of options

@@ -114,6 +114,7 @@ def tune_point(
     results = {"model": name, "batch": batch, "seq": seq, "dtype": str(dtype), "floor_ms": kv_bytes / bandwidth * 1e3,
                "sparse_view_keys": budget, "kernels": {}}
     chosen, chosen_precision = triton_backend.launch_settings, triton_backend._dot_precision
+    chosen_sparse = triton_backend.SPARSE_LAUNCH_OVERRIDE
     for kernel, (run, split_options, bytes_read) in kernels.items():
         if only is not None and kernel not in only:
             continue
@@ -127,6 +128,7 @@ def tune_point(
         splits_tried = (None,) if auto_splits and live is None else split_options
         for precision, launch, splits in itertools.product(precisions, launches, splits_tried):
             triton_backend.launch_settings = lambda head_dim, stores_logits=False, element_size=2, launch=launch: launch
+            triton_backend.SPARSE_LAUNCH_OVERRIDE = launch  # the sparse kernel's own settings (read by it alone)
             if precision is not None:
                 triton_backend._dot_precision = lambda dtype, precision=precision: precision
             try:
@@ -138,6 +140,7 @@ def tune_point(
                 ms = graph_ms(lambda run=run, splits=splits: run(splits))
             finally:
                 triton_backend.launch_settings, triton_backend._dot_precision = chosen, chosen_precision
+                triton_backend.SPARSE_LAUNCH_OVERRIDE = chosen_sparse
             rows.append({**launch, "splits": splits, "precision": precision or chosen_precision(dtype), "ms": ms,
                          "max_abs_diff_vs_chosen": diff, "max_abs_diff_vs_reference": ref_diff})
         rows.sort(key=lambda row: row["ms"])

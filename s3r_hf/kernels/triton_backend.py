@@ -168,13 +168,18 @@ def paged_sparse_attention(
     return merge_splits(out, lse, query.dtype)
 
 
+SPARSE_LAUNCH_OVERRIDE: dict | None = None
+"""Replaces the sparse kernel's launch settings (`BLOCK_N`, `num_warps`, `num_stages`) in every launch
+(`tools/sparse_launch_ab.py` times the engine with another setting)."""
+
+
 def sparse_constants(group: int, head_dim: int, page_size: int, dtype: torch.dtype) -> dict:
     """The sparse kernel's compile-time constants and launch options: what the launch passes, and what
     `tools/kernel_registers.py` compiles."""
     return dict(
         PAGE_SIZE=page_size, GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(dtype),
-        **launch_settings(head_dim, element_size=dtype.itemsize),
+        **(SPARSE_LAUNCH_OVERRIDE or launch_settings(head_dim, element_size=dtype.itemsize)),
     )
 
 
