@@ -9,9 +9,10 @@ Qwen3-1.7B shape (16/8 heads, head dim 128) at B=64, S=8K (or the `--points` giv
 decode, the scored verify block (7 queries per request, the score reduction included), the same block unscored,
 and sparse decode over a 5% index view (at least `--min-budget` keys, as `S3RConfig.min_budget` sizes the engine's
 views; 0 by default), for every combination of key splits and launch settings
-(`triton_backend.launch_settings` chooses one; `--chosen-only` times just that one), each replayed from a CUDA
-graph as the engine runs it. Each variant's output is compared with the chosen setting's, so a setting that
-changes results shows up. The floor is the K/V bytes the kernel must read at the measured copy bandwidth.
+(`triton_backend.launch_settings` chooses one, `sparse_launch_settings` the sparse kernel's; `--chosen-only` times
+just that one), each replayed from a CUDA graph as the engine runs it. Each variant's output is compared with the
+chosen setting's, so a setting that changes results shows up. The floor is the K/V bytes the kernel must read at
+the measured copy bandwidth.
 
 In float32 the dot products' precision is a setting too (`--precisions`): "ieee" (full-precision products, no
 tensor cores) and "tf32x3" (three TF32 tensor-core products per product, about float32's accuracy); each variant is
@@ -120,7 +121,8 @@ def tune_point(
             continue
         scored_rows = BLOCK * heads // kv_heads
         stored = kernel == "verify" and triton_backend.stores_logits(scored_rows, dim, key_pool.element_size())
-        default = chosen(dim, stores_logits=stored, element_size=key_pool.element_size())
+        default = (triton_backend.sparse_launch_settings(dim, key_pool.element_size()) if kernel == "sparse"
+                   else chosen(dim, stores_logits=stored, element_size=key_pool.element_size()))
         baseline = None
         expected = references[kernel]().float()
         rows = []

@@ -179,8 +179,17 @@ def sparse_constants(group: int, head_dim: int, page_size: int, dtype: torch.dty
     return dict(
         PAGE_SIZE=page_size, GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_dot_precision(dtype),
-        **(SPARSE_LAUNCH_OVERRIDE or launch_settings(head_dim, element_size=dtype.itemsize)),
+        **(SPARSE_LAUNCH_OVERRIDE or sparse_launch_settings(head_dim, dtype.itemsize)),
     )
+
+
+def sparse_launch_settings(head_dim: int, element_size: int) -> dict:
+    """The attention kernels' settings (`launch_settings`), with two pipeline stages for heads wider than 64: at
+    Qwen3-1.7B's 128-wide heads three stages hold about 156 registers a thread, three programs per SM, and a draft
+    pass's 512 programs (64 rows x 8 KV heads) ran in 1.3 waves; two stages took the kernel from 64 to 47 us and the
+    engine's round 2.5% shorter (docs/benchmarks.md, "Kernel launch settings")."""
+    settings = launch_settings(head_dim, element_size=element_size)
+    return {**settings, "num_stages": 2} if head_dim > 64 else settings
 
 
 def sparse_splits(rows: int, num_kv_heads: int, keys: int, head_dim: int, element_size: int) -> int:
