@@ -93,6 +93,8 @@
 #   sparse-launch  the sparse draft kernel's launch settings swept at one layer, then engine AR and S3R on the
 #                Qwen3-1.7B shape (B=64, S=8K, forced acceptance) with the chosen and the fastest unsplit setting
 #                (tools/sparse_launch_ab.py; SPARSE_ARGS adds its options)
+#   gemms        a layer's decode GEMMs at 64 and 448 rows: cuBLAS, cuBLASLt, inductor max-autotune and the split-K
+#                kernel against the weight floor (tools/decode_gemms.py; GEMM_ARGS replaces its arguments)
 #   kv-pressure  the paper's Table 2: long rollouts from short prompts on the Qwen3-1.7B shape (forced acceptance), the
 #                KV pool at half the peak need; engine AR, S3R with offload at fixed limits 128/160/256, S3R with AIMD,
 #                lockstep and mixed-stage steps (tools/kv_pressure.py; KVP_ARGS adds its options, KVP_TIMEOUT 540 s)
@@ -358,6 +360,11 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     # shellcheck disable=SC2086  # SPARSE_ARGS is a list of options
     timeout ${SPARSE_TIMEOUT:-540} python3 tools/sparse_launch_ab.py ${SPARSE_ARGS:-} --json "$OUT/sparse_launch.json" 2>&1 \
       | grep -v -i warn | tee "$OUT/sparse_launch.log" | tail -30
+    ;;
+  gemms)
+    # shellcheck disable=SC2086  # GEMM_ARGS is a list of options
+    timeout ${GEMM_TIMEOUT:-400} python3 tools/decode_gemms.py ${GEMM_ARGS:---rows 64,448} --json "$OUT/gemms.json" 2>&1 \
+      | grep -v -i warn | tee "$OUT/gemms.log" | tail -30
     ;;
   view-refresh)
     # shellcheck disable=SC2086  # VIEW_ARGS is a list of options
