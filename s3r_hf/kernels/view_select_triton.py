@@ -30,8 +30,8 @@ from s3r_hf.kernels.reference import UNUSED_POSITION
 # `(ROW, BLOCK, warps, THRESHOLDS)` by the scores' length: rows of up to ROW scores are held in registers (a search
 # step costs each key, so ROW is as short as the rows allow) and searched THRESHOLDS keys a step, longer ones read
 # BLOCK scores at a time. ROW, BLOCK and warps: the fastest of `tools/view_refresh.py --sweep` at 4K, 8K and 16K
-# (docs/benchmarks.md, "Kernel launch settings"). THRESHOLDS: one key a step (the bisection), the one timed on a GPU;
-# more keys a step take fewer reductions for more compares per key, untimed until the sweep (which times 1-4) runs.
+# (docs/benchmarks.md, "Kernel launch settings"). THRESHOLDS: one key a step (the bisection). More keys a step take
+# fewer reductions for more compares per key; the sweep of 1-4 found none faster by more than 3% at any point.
 LAUNCHES = ((4096, (4096, 1024, 4, 1)), (8192, (8192, 1024, 8, 1)), (None, (16384, 1024, 16, 1)))
 LAUNCH_OVERRIDE: tuple[int, int, int, int] | None = None  # replaces the choice (`tools/view_refresh.py --sweep`)
 
