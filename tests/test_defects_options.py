@@ -336,23 +336,25 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0
 def test_longrope_is_exact_below_its_switch_and_refused_past_it(monkeypatch):
     """A longrope model's forward rotates with its long factors once it holds a position past
     `original_max_position_embeddings`, and S3R's forwards hold other positions than dense decoding's: below the
-    switch the two agree token for token, a call that can reach it is refused with the length that fits."""
+    switch the two agree token for token, a call that can reach it is refused with the length that fits. S3R drafts
+    six tokens every round (a fixed k: the adaptive rule may decode densely on a CPU, whose forwards match dense ones)."""
+    drafting = S3RConfig(adaptive=False, draft_len=6, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
     model = s3r_hf.enable(tiny_model("llama", seed=91, max_position_embeddings=512, rope_parameters=LONGROPE))
     input_ids, attention_mask = left_padded_batch([6, 10], seed=92)
     greedy = dict(attention_mask=attention_mask, do_sample=False)
     dense = model.generate(input_ids, max_new_tokens=16, **greedy)
-    assert torch.equal(model.generate(input_ids, max_new_tokens=16, s3r_config=S3RConfig(), **greedy), dense)
+    assert torch.equal(model.generate(input_ids, max_new_tokens=16, s3r_config=drafting, **greedy), dense)
     with pytest.raises(s3r_hf.ContextWindowError, match=r"longrope.*original_max_position_embeddings=32.*at most 16"):
-        model.generate(input_ids, max_new_tokens=17, s3r_config=S3RConfig(), **greedy)
+        model.generate(input_ids, max_new_tokens=17, s3r_config=drafting, **greedy)
     plain = tiny_model("llama", seed=91, max_position_embeddings=512, rope_parameters=LONGROPE)
     with pytest.raises(s3r_hf.ContextWindowError, match="longrope"):  # transformers' assisted loop with S3R drafts
         plain.generate(input_ids[1:], do_sample=False, max_new_tokens=17, custom_generate=s3r_hf.assisted_generate,
-                       s3r_config=S3RConfig())
+                       s3r_config=drafting)
     # Past the switch the two part, which is what the refusal prevents: dense decoding rotates every key from the
     # switch on with the long factors, S3R's wider forwards switch at other steps.
     monkeypatch.setattr(s3r_hf.validation, "longrope_switch", lambda model: None)
     past = dict(max_new_tokens=30, return_dict_in_generate=True, output_logits=True, **greedy)
-    dense, unchecked = model.generate(input_ids, **past), model.generate(input_ids, s3r_config=S3RConfig(), **past)
+    dense, unchecked = model.generate(input_ids, **past), model.generate(input_ids, s3r_config=drafting, **past)
     gaps = [float((d - s).abs().max()) for d, s in zip(dense.logits, unchecked.logits)]
     assert max(gaps[:16]) < 1e-4 < max(gaps)
 
