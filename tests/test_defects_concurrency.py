@@ -14,7 +14,7 @@ from s3r_hf import S3RConfig
 from s3r_hf.model_session import owns
 from tests.conftest import left_padded_batch, tiny_model
 
-CONFIG = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
+CONFIG = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
 TIMEOUT = 120  # seconds; only reached when something is broken
 
 

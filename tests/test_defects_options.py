@@ -16,7 +16,7 @@ from s3r_hf import S3RConfig
 from s3r_hf.validation import prompt_rows
 from tests.conftest import TINY, left_padded_batch, tiny_model
 
-CONFIG = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
+CONFIG = S3RConfig(adaptive=False, draft_len=3, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
 
 
 def _model_and_batch(seed: int, kind: str = "llama", **overrides):
