@@ -3,10 +3,9 @@
 The other tests vary one option at a time; here each case draws a model, a batch of prompts (some repeated, as GRPO
 asks for several generations of a prompt) and a combination of `S3RConfig` and generation options: fixed or
 adaptive `k`, draft lengths, view budgets, page sizes, prefill chunks, mixed stages, shared prompts, a capped
-concurrency, a KV pool barely larger than a request, EOS tokens, minimum lengths, penalties and banned words. Greedy
-decoding and point-mass sampling (`top_k=1` or a tiny `top_p`, which sample the argmax through the sampling path)
-must give dense decoding's tokens in every case.
-"""
+concurrency, a KV pool barely larger than a request, fused layers (their torch reference on a CPU), EOS tokens,
+minimum lengths, penalties and banned words. Greedy decoding and point-mass sampling (`top_k=1` or a tiny `top_p`,
+which sample the argmax through the sampling path) must give dense decoding's tokens in every case."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ def _case(index: int) -> tuple[str, int, list[int], dict, dict, dict]:
         adaptive=rng.random() < 0.5, draft_len=draft_len, budget_ratio=rng.choice([0.05, 0.1, 0.3, 1.0]),
         min_budget=rng.choice([1, 2, 4, 16]), page_size=page_size, seed=rng.randrange(100),
         mixed_steps=rng.random() < 0.3, share_prompts=rng.random() < 0.7,
-        prefill_chunk_size=rng.choice([2048, 16, 8, 5]),
+        prefill_chunk_size=rng.choice([2048, 16, 8, 5]), fused_layers=rng.random() < 0.3,
     )
     if not config["adaptive"] and rng.random() < 0.4:
         config["refresh_interval"] = rng.randint(1, 4)
@@ -61,7 +60,8 @@ def _case(index: int) -> tuple[str, int, list[int], dict, dict, dict]:
 @pytest.mark.parametrize("index", range(CASES))
 def test_a_random_combination_of_options_gives_dense_tokens(index):
     kind, seed, lengths, config, options, point_mass = _case(index)
-    model = s3r_hf.enable(tiny_model(kind, seed=seed))
+    fusable = dict(head_dim=32) if config["fused_layers"] else {}  # the fused kernels need 32, 64 or 128
+    model = s3r_hf.enable(tiny_model(kind, seed=seed, **fusable))
     input_ids, attention_mask = left_padded_batch(lengths, seed=seed)
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, **options)
     out = model.generate(input_ids, attention_mask=attention_mask, s3r_config=S3RConfig(**config), **options,
