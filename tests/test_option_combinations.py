@@ -68,3 +68,21 @@ def test_a_random_combination_of_options_gives_dense_tokens(index):
                          **point_mass)
     assert torch.equal(out, dense), (kind, seed, lengths, config, options, point_mass)
     s3r_hf.release(model)
+
+
+ASSISTED_CASES = 16
+ASSISTED_OPTIONS = ("adaptive", "draft_len", "budget_ratio", "min_budget", "page_size", "seed")  # what the loop uses
+
+
+@pytest.mark.parametrize("index", range(ASSISTED_CASES))
+def test_a_random_combination_through_transformers_assisted_loop_gives_dense_tokens(index):
+    """The same draws through `custom_generate=s3r_hf.assisted_generate` (one prompt, greedy): transformers' own
+    assisted loop with S3R's drafts."""
+    kind, seed, lengths, config, options, _ = _case(CASES + index)
+    model = tiny_model(kind, seed=seed)
+    input_ids, _ = left_padded_batch(lengths[:1], seed=seed)
+    dense = model.generate(input_ids, do_sample=False, **options)
+    config = S3RConfig(**{key: config[key] for key in ASSISTED_OPTIONS})
+    out = model.generate(input_ids, do_sample=False, custom_generate=s3r_hf.assisted_generate, s3r_config=config,
+                         **options)
+    assert torch.equal(out, dense), (kind, seed, lengths[:1], config, options)
