@@ -337,9 +337,9 @@ def test_longrope_is_exact_below_its_switch_and_refused_past_it(monkeypatch):
     """A longrope model's forward rotates with its long factors once it holds a position past
     `original_max_position_embeddings`, and S3R's forwards hold other positions than dense decoding's: below the
     switch the two agree token for token, a call that can reach it is refused with the length that fits. S3R drafts
-    six tokens every round (a fixed k: the adaptive rule may decode densely on a CPU, whose forwards match dense
-    ones)."""
-    drafting = S3RConfig(adaptive=False, draft_len=6, budget_ratio=0.1, min_budget=2, page_size=4, seed=0)
+    six tokens every round (a fixed k, as `CONFIG`: the adaptive rule may decode densely on a CPU, whose forwards
+    match dense ones)."""
+    drafting = S3RConfig(**{**CONFIG.to_dict(), "draft_len": 6})
     model = s3r_hf.enable(tiny_model("llama", seed=91, max_position_embeddings=512, rope_parameters=LONGROPE))
     input_ids, attention_mask = left_padded_batch([6, 10], seed=92)
     greedy = dict(attention_mask=attention_mask, do_sample=False)
