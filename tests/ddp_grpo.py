@@ -24,6 +24,9 @@ def main() -> None:
         model_type = type(trainer.model_wrapped).__name__
         print(f"S3R-DDP rank={rank} world={world} steps={trainer.state.global_step} s3r_logs={len(logged)} "
               f"wrapped={model_type}", flush=True)
+        # Tear the gloo process group down before the interpreter exits: left to exit, its threads were once
+        # destroyed while running, and both ranks aborted (SIGABRT) after finishing their steps.
+        trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
