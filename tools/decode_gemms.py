@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from s3r_hf.bench_kernels import copy_bandwidth, graph_ms
-from s3r_hf.kernels import layer_triton
+from s3r_hf.kernels import decode_linear_reference, decode_linear_triton, layer_triton
 
 SHAPES = {  # name: {GEMM: (out features, in features)}, Q/K/V and gate/up one GEMM each, as the compiled layers run
     "smollm2-135m": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
@@ -44,7 +44,21 @@ def _autotuned(backends: str, x: torch.Tensor, w: torch.Tensor):
     return compiled
 
 
-def time_gemm(rows: int, out_features: int, in_features: int, bandwidth: float, autotune: bool) -> dict:
+def _sweep_launches(rows: int, out_features: int, in_features: int) -> list[tuple[int, int, int, int, int]]:
+    """`decode_linear` launch settings around its default: tile widths, K tiles, half and twice the splits, stages."""
+    _, _, splits, _, _ = decode_linear_triton.default_launch(rows, out_features, in_features, torch.device("cuda"))
+    return [(block_n, block_k, s, 4, stages) for block_n in (64, 128) for block_k in (128, 256)
+            for s in sorted({max(1, splits // 2), splits, splits * 2}) for stages in (3, 4)]
+
+
+def _best(variants: dict, name: str, launches: list, make) -> None:
+    """One variant per launch setting, `name@BN,BK,S,W,ST`; `main` reports the fastest of each name."""
+    for launch in launches:
+        variants[f"{name}@{','.join(map(str, launch))}"] = make(launch)
+
+
+def time_gemm(rows: int, out_features: int, in_features: int, bandwidth: float, autotune: bool,
+              triton_sweep: bool = False) -> dict:
     weight_bytes = out_features * in_features * 2
     copies = max(2, math.ceil(L2_OVERFLOW_BYTES / weight_bytes))
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -57,6 +71,22 @@ def time_gemm(rows: int, out_features: int, in_features: int, bandwidth: float, 
         "cublaslt": lambda w: F.linear(x, w),  # the same call under cuBLASLt's heuristics (`BLAS_LIBRARY`)
         "split_k": lambda w: layer_triton.linear_residual(x, w, None, residual),
     }
+    if triton_sweep:  # `decode_linear`: bf16 weights, and float8 weights with a scale per output feature
+        quantized = {id(w): decode_linear_reference.quantize_rows(w) for w in weights}
+        launches = _sweep_launches(rows, out_features, in_features)
+        _best(variants, "triton_bf16", launches,
+              lambda launch: lambda w: decode_linear_triton.decode_linear(x, w, launch=launch))
+        _best(variants, "triton_fp8", launches,
+              lambda launch: lambda w: decode_linear_triton.decode_linear(x, *quantized[id(w)], launch=launch))
+        int8 = {id(w): decode_linear_reference.quantize_rows(w, torch.int8) for w in weights}
+        _best(variants, "triton_int8", launches,
+              lambda launch: lambda w: decode_linear_triton.decode_linear(x, *int8[id(w)], launch=launch))
+        # cuBLASLt's float8 GEMM with the activations already quantized by row: a lower bound of that path, which
+        # would quantize them in the kernel before it
+        x8, x_scale = decode_linear_reference.quantize_rows(x)
+        variants["scaled_mm_fp8"] = lambda w: torch._scaled_mm(
+            x8, quantized[id(w)][0].t(), scale_a=x_scale[:, None], scale_b=quantized[id(w)][1][None, :],
+            out_dtype=torch.bfloat16)
     if autotune:
         for backends in ("ATEN,TRITON", "TRITON"):
             name = f"autotune_{backends.lower().replace(',', '_')}"
@@ -65,7 +95,7 @@ def time_gemm(rows: int, out_features: int, in_features: int, bandwidth: float, 
                 variants[name] = lambda w, compiled=compiled: compiled(x, w)
             except Exception as error:  # reported beside the others
                 variants[name] = error
-    expected = F.linear(x, weights[0]).float()
+    expected = F.linear(x, weights[0]).float()  # float8 variants differ by their weights' rounding (~0.1)
     result = {"rows": rows, "out": out_features, "in": in_features, "copies": copies,
               "floor_us": weight_bytes / bandwidth * 1e6, "us": {}, "max_abs_diff": {}}
     for name, gemm in variants.items():
@@ -92,6 +122,9 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rows", default="64,448")
     parser.add_argument("--no-autotune", action="store_true", help="leave out inductor's max-autotune variants")
+    parser.add_argument("--triton-sweep", action="store_true",
+                        help="also time decode_linear (bf16 and float8 weights) over launch settings, and float8 "
+                        "cuBLASLt")
     parser.add_argument("--json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -102,12 +135,21 @@ def main() -> None:
     for shape in args.shapes.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
             for gemm, (out_features, in_features) in SHAPES[shape].items():
-                r = time_gemm(rows, out_features, in_features, bandwidth, not args.no_autotune)
+                r = time_gemm(rows, out_features, in_features, bandwidth, not args.no_autotune, args.triton_sweep)
                 r.update(shape=shape, gemm=gemm)
                 results.append(r)
-                cells = "  ".join(f"{k} {v:.1f}" if v is not None else f"{k} failed" for k, v in r["us"].items())
-                print(f"{shape:>13} {gemm:>7} M={rows:<4} floor {r['floor_us']:.1f} us | {cells}", flush=True)
-                bad = {k: v for k, v in r["max_abs_diff"].items() if isinstance(v, str) or v > 0.05}
+                best: dict[str, tuple[float, str]] = {}  # the fastest launch of each swept variant
+                for k, v in r["us"].items():
+                    name, _, launch = k.partition("@")
+                    if v is not None and (name not in best or v < best[name][0]):
+                        best[name] = (v, launch)
+                cells = "  ".join(f"{k} {v:.1f}" + (f" [{at}]" if at else "") for k, (v, at) in best.items())
+                failed = [k for k, v in r["us"].items() if v is None]
+                print(f"{shape:>13} {gemm:>7} M={rows:<4} floor {r['floor_us']:.1f} us | {cells}"
+                      + (f" | failed: {', '.join(failed)}" if failed else ""), flush=True)
+                tolerance = {"triton_fp8": 0.5, "scaled_mm_fp8": 0.5, "triton_int8": 0.2}
+                bad = {k: v for k, v in r["max_abs_diff"].items()
+                       if isinstance(v, str) or v > tolerance.get(k.partition("@")[0], 0.05)}
                 if bad:
                     print(f"    differs from cuBLAS or failed: {bad}", flush=True)
     if args.json:
