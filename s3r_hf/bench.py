@@ -126,15 +126,22 @@ def stage_floors_ms(
     over the copy bandwidth. draft: `draft_len` sparse passes, each reading the weights, the index views' K/V and the
     views themselves; verify: the weights and every request's K/V (as a dense step); accept: the target and draft
     scores `[batch, draft_len + 1, vocab]` in fp32; refresh: the reduced scores `[layers, batch, Hkv, context]` in
-    fp32, read once, and the new views written. Commit is host work and has none."""
+    fp32, read once, and the new views written. Commit is host work and has none. With 8-bit draft weights
+    (`S3RConfig.draft_weights`) a draft pass reads the decoder layers' linears at one byte a weight."""
     weights = _weight_bytes(model)
+    draft_weights = weights
+    if config.draft_weights != "model":
+        from s3r_hf.compiled_layers import decoder_layers
+
+        linears = [m.weight for layer in decoder_layers(model) for m in layer.modules() if type(m) is torch.nn.Linear]
+        draft_weights -= sum(w.numel() * (w.element_size() - 1) for w in linears)
     kv_per_token = page_bytes(model.config, 1, model.dtype)
     layers, kv_heads, _ = kv_shape(model.config)
     budget = config.budget(context)
     view_bytes = batch * layers * kv_heads * budget * 4  # int32 positions
     vocab = model.get_output_embeddings().weight.shape[0]
     bytes_per_stage = {
-        "draft": config.draft_len * (weights + batch * budget * kv_per_token + view_bytes),
+        "draft": config.draft_len * (draft_weights + batch * budget * kv_per_token + view_bytes),
         "verify": _dense_step_bytes(model, batch, context),
         "accept": 2 * batch * (config.draft_len + 1) * vocab * 4,
         "refresh": batch * layers * kv_heads * context * 4 + view_bytes,
@@ -309,14 +316,17 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
     if args.stages:  # a dense step is engine AR's verify stage
         point["engine_ar"]["stage_floor_ms"] = {"verify": point["floor_ms"]}
     point["s3r"] = {}
-    for ratio, interval in itertools.product(args.budget, args.refresh_interval):
-        config = S3RConfig(**{**base.to_dict(), "budget_ratio": ratio, "refresh_interval": interval})
+    for ratio, interval, weights in itertools.product(args.budget, args.refresh_interval, args.draft_weights):
+        config = S3RConfig(**{**base.to_dict(), "budget_ratio": ratio, "refresh_interval": interval,
+                              "draft_weights": weights})
         _release_memory(device)
         s3r = time_engine(model, input_ids, args.max_new_tokens, config, "s3r", args.acceptance, args.stages)
         if args.acceptance is None:  # exact runs: greedy S3R must reproduce greedy AR
             s3r.update(greedy_agreement(s3r["sequences"], ar["sequences"], input_ids.shape[1]))
-        # r2: views refreshed every second round; no suffix: the interval the config chooses (adaptive: the rule's)
+        # r2: views refreshed every second round; no suffix: the interval the config chooses (adaptive: the rule's);
+        # int8 / float8: the draft passes' weights (S3RConfig.draft_weights)
         key = str(ratio) if interval is None else f"{ratio} r{interval}"
+        key += "" if weights == "model" else f" {weights}"
         point["s3r"][key] = {k: v for k, v in s3r.items() if k != "sequences"}
         if args.stages:
             point["s3r"][key]["stage_floor_ms"] = stage_floors_ms(model, batch, context, config, bandwidth)
@@ -415,6 +425,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refresh-interval", default="auto",
                         help="comma-separated S3RConfig.refresh_interval values, 'auto' for None (the adaptive rule's "
                              "choice, every round without it); a sweep, rows 's r2' for 2")
+    parser.add_argument("--draft-weights", default="model",
+                        help="comma-separated S3RConfig.draft_weights values (model, int8, float8); a sweep, rows "
+                        "'s int8' for int8")
     parser.add_argument("--draft-len", type=int, default=6)
     parser.add_argument("--min-budget", type=positive_int, default=192)
     parser.add_argument("--prefill-chunk", type=positive_int, default=8192)
@@ -483,10 +496,11 @@ def bench_from_args(args: argparse.Namespace) -> list[dict] | dict:
         args.texts, args.prompt_source = load_texts(args.data, args.dataset, args.split)
     args.budget = _sweep(args.budget, "--budget", float)
     args.refresh_interval = _sweep(args.refresh_interval, "--refresh-interval", refresh_interval_arg)
-    for ratio, interval in itertools.product(args.budget, args.refresh_interval):
+    args.draft_weights = _sweep(args.draft_weights, "--draft-weights", str)
+    for ratio, interval, weights in itertools.product(args.budget, args.refresh_interval, args.draft_weights):
         try:  # every setting of the sweep, before any model is built
             S3RConfig(draft_len=args.draft_len, min_budget=args.min_budget, budget_ratio=ratio,
-                      refresh_interval=interval)
+                      refresh_interval=interval, draft_weights=weights, fused_layers=args.fused_layers)
         except ValueError as error:
             raise UsageError(str(error)) from error
     dtype = getattr(torch, args.dtype)

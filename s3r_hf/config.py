@@ -123,6 +123,17 @@ class S3RConfig:
             setting (torch.compile guards on it). torch keeps the setting per process: while an eager draft pass runs
             (or a draft graph is captured), another thread's float32 matmuls run in TF32 too; replays of captured
             graphs do not set it. Other dtypes ignore it.
+        draft_weights (`str`, defaults to `"model"`):
+            The weights the draft passes' decoder-layer linears read: `"model"`, the model's own; `"int8"` or
+            `"float8"` (e4m3), 8-bit copies with a scale per output feature, half the bytes a draft pass's GEMMs
+            read in bfloat16, quantized from the model's weights at the start of every call (an optimizer step
+            between calls is picked up) and kept with the model's state between calls (half the size of those
+            weights in bfloat16). Like
+            `draft_matmul_precision` it changes only the proposals: the verify forward runs the model's own
+            weights and the acceptance uses the scores the drafts were sampled from, so samples stay exact, and only
+            how often drafts are accepted can change (`docs/benchmarks.md`). On CUDA the 8-bit products run in a
+            Triton kernel; elsewhere in its torch reference. Not with `fused_layers`, whose kernels read the
+            model's linears directly.
         keep_state (`bool`, defaults to `True`):
             Keep the KV pool, the CUDA graphs and the fused weights for the model's next call, which reuses them
             when its requests fit (an RL loop's steps do): later calls capture no graphs and allocate no pool.
@@ -165,6 +176,7 @@ class S3RConfig:
     compile_layers: bool = False
     fused_layers: bool = False
     draft_matmul_precision: str = "high"
+    draft_weights: str = "model"
     keep_state: bool = True
     return_logprobs: bool = False
     seed: int | None = None
@@ -203,6 +215,15 @@ class S3RConfig:
         if self.draft_matmul_precision not in ("highest", "high"):
             raise ValueError(
                 f'S3RConfig.draft_matmul_precision must be "highest" or "high", got {self.draft_matmul_precision!r}'
+            )
+        if self.draft_weights not in ("model", "int8", "float8"):
+            raise ValueError(
+                f'S3RConfig.draft_weights must be "model", "int8" or "float8", got {self.draft_weights!r}'
+            )
+        if self.draft_weights != "model" and self.fused_layers:
+            raise ValueError(
+                f"S3RConfig.draft_weights={self.draft_weights!r} does not combine with fused_layers=True, whose "
+                "kernels read the model's linears directly; set one of them"
             )
         if self.seed is not None:
             _check_int(self, "seed", low=0, high=2**64 - 1)  # what torch.Generator.manual_seed accepts

@@ -134,11 +134,13 @@ class MergeIdenticalGemms(CustomGraphPass):
         torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
         torch.ops.aten._unsafe_view.default, torch.ops.aten.expand.default,
     )
+    # The 8-bit draft GEMM (`draft_weights.py`) a fused group's members each call, by the op's name
+    _PURE_CUSTOM = ("s3r_hf::quantized_linear",)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         seen: dict[tuple, torch.fx.Node] = {}
         for node in list(graph.nodes):
-            if node.op != "call_function" or node.target not in self._PURE:
+            if node.op != "call_function" or not self._pure(node.target):
                 continue
             key = (node.target, _hashable(node.args), _hashable(tuple(sorted(node.kwargs.items()))))
             if key in seen:
@@ -147,8 +149,13 @@ class MergeIdenticalGemms(CustomGraphPass):
             else:
                 seen[key] = node
 
+    def _pure(self, target) -> bool:
+        return target in self._PURE or (
+            isinstance(target, torch._ops.OpOverload) and target.name() in self._PURE_CUSTOM
+        )
+
     def uuid(self) -> str:
-        return "s3r_hf.MergeIdenticalGemms.v1"
+        return "s3r_hf.MergeIdenticalGemms.v2"
 
 
 def _hashable(value):

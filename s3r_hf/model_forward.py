@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from s3r_hf.cache import S3RCache
+from s3r_hf.draft_weights import draft_pass
 from s3r_hf.step_plan import StepPlan
 from s3r_hf.validation import UnsupportedModelError
 
@@ -48,10 +49,13 @@ class ModelForward:
         self.cache.step = plan
         try:
             model = self.model
-            output = model(
-                input_ids=ids, position_ids=plan.position_ids, use_cache=True, s3r_step=plan,
-                s3r_cache=self.cache, **kwargs,
-            )
+            # A draft pass's plan holds sparse queries only; with `S3RConfig.draft_weights` its linears read their
+            # float8 copies (`draft_weights.py`).
+            with draft_pass(plan.sparse is not None and plan.dense is None):
+                output = model(
+                    input_ids=ids, position_ids=plan.position_ids, use_cache=True, s3r_step=plan,
+                    s3r_cache=self.cache, **kwargs,
+                )
         finally:
             self.cache.step = None
         if len(plan.layers_seen) != self.cache.num_layers:

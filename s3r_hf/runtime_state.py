@@ -43,6 +43,7 @@ from s3r_hf.cache.s3r_cache import S3RCache, kv_shape
 from s3r_hf.config import S3RConfig
 from s3r_hf.cuda_graphs import DecodeGraphs
 from s3r_hf.draft_policy import AdaptiveDraftLength, adaptive_for
+from s3r_hf.draft_weights import DraftWeights
 from s3r_hf.fused_projections import FusedProjections
 from s3r_hf.matmul_precision import tf32_matmuls
 from s3r_hf.model_forward import ModelForward
@@ -75,6 +76,8 @@ class ModelRuntime:
         self.forward: ModelForward | None = None
         self.graphs: DecodeGraphs | None = None
         self.fused: FusedProjections | None = None
+        # by (compile_layers, which decides the modules a layer runs; the copies' dtype)
+        self.draft_weights: dict[tuple[bool, torch.dtype], DraftWeights] = {}
         # by (draft_len, refresh_interval, adaptive_draft_lengths)
         self.policies: dict[tuple[int, int | None, tuple[int, ...] | None], AdaptiveDraftLength] = {}
         self.seed_calls: dict[int, int] = {}  # calls so far per fixed seed
@@ -179,6 +182,7 @@ class ModelRuntime:
     def drop_device_state(self) -> None:
         """Free the pool, the graphs and the fused weights (their memory returns to torch's allocator)."""
         self.cache = self.forward = self.graphs = self.fused = None
+        self.draft_weights = {}
         self._pages_wanted = 0
         self._has_inference_tensors = False
 
@@ -223,6 +227,15 @@ class ModelRuntime:
             self._note_made()
         return self.fused
 
+    def quantized_draft_weights(self, key: tuple[bool, torch.dtype], make) -> DraftWeights:
+        """The kept 8-bit draft weights for `key` (layers compiled or not, the dtype), or `make()`'s where there are
+        none or they were built for modules the layers no longer hold."""
+        weights = self.draft_weights.get(key)
+        if weights is None or not weights.matches():
+            weights = self.draft_weights[key] = make()
+            self._note_made()
+        return weights
+
     def device_bytes(self) -> int:
         """Device memory the runtime holds besides the graphs' own pools: the KV pool, index views, fused weights."""
         total = 0
@@ -231,6 +244,7 @@ class ModelRuntime:
             total += self.cache.index_views.positions.nbytes
         if self.fused is not None:
             total += self.fused.nbytes
+        total += sum(weights.nbytes for weights in self.draft_weights.values())
         return total
 
 
@@ -245,7 +259,8 @@ def _layers_of(config: S3RConfig, device: torch.device) -> tuple:
         matmul.allow_bf16_reduced_precision_reduction,
         matmul.allow_fp16_reduced_precision_reduction,
     )
-    return config.compile_layers, config.fused_layers, config.draft_matmul_precision, autocast, cublas
+    return (config.compile_layers, config.fused_layers, config.draft_matmul_precision, config.draft_weights, autocast,
+            cublas)
 
 
 def process_rank() -> int:

@@ -51,14 +51,16 @@ def test_bench_runs_a_queue_of_requests_at_most_batch_at_a_time(tmp_path):
     main([
         "bench", "--model", "qwen3-tiny", "--batch", "2", "--requests", "5", "--seq", "40", "--max-new-tokens", "10",
         "--budget", "0.5", "--min-budget", "4", "--draft-len", "3", "--dtype", "float32", "--device", "cpu",
-        "--skip-generate", "--json", str(json_path),
+        "--skip-generate", "--draft-weights", "model,int8", "--json", str(json_path),
     ])
     point = json.loads(json_path.read_text())["points"][0]
     assert (point["batch"], point["requests"]) == (2, 5)
-    for run in (point["engine_ar"], point["s3r"]["0.5"]):
+    assert set(point["s3r"]) == {"0.5", "0.5 int8"}
+    for run in (point["engine_ar"], point["s3r"]["0.5"], point["s3r"]["0.5 int8"]):
         assert 1.0 <= run["mean_rows_per_step"] <= 2.0
-    # All five rows of greedy S3R equal those of greedy engine AR.
+    # All five rows of greedy S3R equal those of greedy engine AR, with the model's and with 8-bit draft weights.
     assert point["s3r"]["0.5"]["greedy_matches_ar"] is True
+    assert point["s3r"]["0.5 int8"]["greedy_matches_ar"] is True
 
 
 def test_stage_floors_count_the_bytes_each_stage_must_move():
@@ -77,3 +79,10 @@ def test_stage_floors_count_the_bytes_each_stage_must_move():
         "accept": 2 * 4 * 4 * 512 * 4,
         "refresh": 4 * 2 * 2 * 100 * 4 + views,
     }
+    # 8-bit draft weights: the decoder layers' linears at one byte a weight in the draft passes, the rest as it is
+    linears = sum(m.weight.numel() for layer in model.model.layers for m in layer.modules()
+                  if isinstance(m, torch.nn.Linear))
+    int8 = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=8, draft_weights="int8")
+    floors8 = stage_floors_ms(model, batch=4, context=100, config=int8, bandwidth=1e3)
+    assert floors8["draft"] == floors["draft"] - 3 * linears * 3
+    assert {k: v for k, v in floors8.items() if k != "draft"} == {k: v for k, v in floors.items() if k != "draft"}

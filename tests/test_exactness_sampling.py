@@ -18,9 +18,11 @@ Fixed seeds make the outcome deterministic. Calibration (not run here): 12 seeds
 per-seed p-values spread over (0.01, 0.99) and pooled 60,000-sample p-values of 0.16-0.69, i.e. no bias
 visible at six times this test's sample size.
 
+Each test also runs with 8-bit draft weights (`S3RConfig.draft_weights`), which change only the proposals.
+
 On a GPU machine, `S3R_HF_TEST_DEVICE=cuda python -m pytest tests/test_exactness_sampling.py` samples on CUDA
 with the Triton kernels, eagerly, with CUDA graphs (the graphed draft phase samples from pre-drawn noise), and
-with graphs of compiled decoder layers (`compile_layers`);
+with graphs of compiled decoder layers (`compile_layers`), with the model's own and with 8-bit draft weights;
 the exact distribution is still enumerated on the CPU.
 """
 
@@ -64,8 +66,11 @@ RUNTIMES = {
     # use too on CUDA): the proposal changes, the verify stays float32.
     "graphs+compile": {"cuda_graphs": True, "compile_layers": True, "draft_matmul_precision": "highest"},
     "graphs+compile+tf32-drafts": {"cuda_graphs": True, "compile_layers": True, "draft_matmul_precision": "high"},
+    # 8-bit copies of the layers' weights in the draft passes (`S3RConfig.draft_weights`): again the proposal changes
+    "int8-drafts": {"draft_weights": "int8"},
+    "graphs+compile+float8-drafts": {"cuda_graphs": True, "compile_layers": True, "draft_weights": "float8"},
 }
-GRAPHS = list(RUNTIMES) if DEVICE.type == "cuda" else ["eager"]
+GRAPHS = list(RUNTIMES) if DEVICE.type == "cuda" else ["eager", "int8-drafts"]
 
 CASES = {
     "t1.0": dict(temperature=1.0, top_k=None, top_p=None),

@@ -4,6 +4,7 @@ step: a round whose verify forward also prefills), release what finished."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from transformers import PreTrainedModel
@@ -11,10 +12,12 @@ from transformers.utils import logging
 
 from s3r_hf.attention import s3r_attention
 from s3r_hf.cache.s3r_cache import S3RCache
-from s3r_hf.compiled_layers import compile_counters, compiled_decoder_layers, fused_projections_for
+from s3r_hf.compiled_layers import compile_counters, compiled_decoder_layers, decoder_layers, fused_projections_for
 from s3r_hf.config import S3RConfig
 from s3r_hf.draft_phase import DraftPhase
 from s3r_hf.draft_policy import DraftLengthPolicy, FixedDraftLength, adaptive_for
+from s3r_hf.draft_weights import DTYPES as DRAFT_WEIGHT_DTYPES
+from s3r_hf.draft_weights import DraftWeights
 from s3r_hf.engine.acceptance import acceptance_for
 from s3r_hf.engine.commit import Committer
 from s3r_hf.engine.early_launch import EarlyLaunches
@@ -131,6 +134,17 @@ class S3REngine:
             return adaptive_for(config.draft_len, config.refresh_interval, config.adaptive_draft_lengths)
         return FixedDraftLength(config.draft_len, config.refresh_interval or 1)
 
+    @contextlib.contextmanager
+    def _quantized_draft_weights(self) -> Iterator[None]:
+        """The decoder layers' linears as `QuantizedDraftLinear`s (`S3RConfig.draft_weights`), over the modules they
+        run now (with compiled layers, the fused projections)."""
+        dtype = DRAFT_WEIGHT_DTYPES[self.config.draft_weights]
+        weights = self.runtime.quantized_draft_weights(
+            (self.config.compile_layers, dtype), lambda: DraftWeights(decoder_layers(self.model), dtype)
+        )
+        with weights.installed():
+            yield
+
     def run(self, requests: list[Request]) -> S3RStats:
         """Generate until every request finishes; requests are filled in place."""
         self.scheduler.add(requests)
@@ -143,10 +157,13 @@ class S3REngine:
             compiled = compiled_decoder_layers(self.model, fused)
         # Entered after the compiled layers: prefill chunks fall back to the compiled forward.
         fused_layers = fused_decoder_layers(self.model) if self.config.fused_layers else contextlib.nullcontext()
+        # Entered after the compiled layers too: with them, the 8-bit copies are of the fused projections' weights.
+        quantized = self.config.draft_weights != "model"
+        draft_weights = self._quantized_draft_weights() if quantized else contextlib.nullcontext()
         # Wall time is split between prefill and decoding at the switches between them only (the device is
         # synchronized there when timing), so consecutive rounds keep overlapping as they do untimed.
         phase, phase_started = None, 0.0
-        with s3r_attention(self.model, packed=True), compiled, fused_layers, float32_lm_head(self.model):
+        with s3r_attention(self.model, packed=True), compiled, fused_layers, float32_lm_head(self.model), draft_weights:
             while self.scheduler.has_work():
                 step = self.scheduler.schedule()
                 step_phase = "prefill" if step.kind == "prefill" else "decode"  # a mixed step's time is decoding's

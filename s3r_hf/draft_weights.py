@@ -1,0 +1,157 @@
+"""8-bit copies of the decoder layers' weights for the draft passes (`S3RConfig.draft_weights`).
+
+A draft pass at rollout batch sizes reads every layer's weights once for a few dozen rows, so its GEMMs cost their
+weights' bytes; 8-bit weights (int8 or float8 e4m3) with a scale per output feature halve them. A draft is only a
+proposal: the verify forward runs the model's own weights and the acceptance test divides by the scores the drafts
+were sampled from, so samples stay exactly the dense model's. The rounding can only change how often drafts are
+accepted (docs/benchmarks.md measures it on real text).
+
+While an engine runs, each linear inside a decoder layer (after `compile_layers` fused its Q/K/V and gate/up
+projections: the fused GEMM's weights) is wrapped by a `QuantizedDraftLinear`, which runs the wrapped module in
+every forward but a draft pass. `ModelForward` marks the draft passes (`draft_pass`): the forwards whose plan holds
+sparse queries only. Compiled layers read the mark while they are traced, so they compile once for draft passes and once
+for the rest; CUDA graphs keep the kernels of their capture.
+
+The copies are refilled in place from the model's weights each time an engine starts (an optimizer step between
+calls is picked up; captured graphs read them by address), and kept with the model's runtime between calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from s3r_hf.fused_projections import FusedLinearSlice
+from s3r_hf.kernels.decode_linear_reference import FP8, decode_linear_reference, quantize_rows
+
+DTYPES = {"float8": FP8, "int8": torch.int8}  # S3RConfig.draft_weights: the copies' dtype
+
+_drafting = False  # read by `QuantizedDraftLinear.forward`; compiled layers guard on it
+
+
+@contextlib.contextmanager
+def draft_pass(on: bool = True) -> Iterator[None]:
+    """Within the block, wrapped linears read their 8-bit copies (if `on`)."""
+    global _drafting
+    before, _drafting = _drafting, on
+    try:
+        yield
+    finally:
+        _drafting = before
+
+
+def drafting() -> bool:
+    return _drafting
+
+
+@torch.library.custom_op("s3r_hf::quantized_linear", mutates_args=())
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x @ (weight * scale[:, None]).T` for 8-bit `weight`, in `x`'s dtype: the Triton kernel on CUDA, its torch
+    reference elsewhere."""
+    flat = x.reshape(-1, x.shape[-1])
+    if x.is_cuda:
+        from s3r_hf.kernels.decode_linear_triton import decode_linear
+
+        out = decode_linear(flat.contiguous(), weight, scale)
+    else:
+        out = decode_linear_reference(flat, weight, scale)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@quantized_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+class QuantizedDraftLinear(torch.nn.Module):
+    """`inner(x)` outside draft passes; in them, columns `columns` of the 8-bit product with `weight`, `scale`
+    (shared by a fused group's members) plus `bias`."""
+
+    def __init__(
+        self, inner: torch.nn.Module, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+        columns: slice | None,
+    ) -> None:
+        super().__init__()
+        self.weight8 = weight
+        self.scale = scale
+        self.bias = bias
+        self.columns = columns
+        self.inner = (inner,)  # out of the module tree: the model's parameter names stay as they are
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not _drafting:
+            return self.inner[0](hidden_states)
+        out = torch.ops.s3r_hf.quantized_linear(hidden_states, self.weight8, self.scale)
+        if self.bias is not None:
+            out = out + self.bias
+        return out if self.columns is None else out[..., self.columns]
+
+
+def _source(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, slice | None] | None:
+    """`(weight, bias, columns)` a wrapped module computes with, or None for a module left alone: plain linears, and
+    the fused projections' slices (their group's concatenated weight, and their columns of it)."""
+    if isinstance(module, FusedLinearSlice):
+        return module.weight, module.bias, module.columns
+    if type(module) is torch.nn.Linear and module.weight.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return module.weight, module.bias, None
+    return None
+
+
+class DraftWeights:
+    """`dtype` copies (int8 or float8) of the weights of every linear in `layers`, as the modules stand when it is
+    built, and the `QuantizedDraftLinear`s that read them. A weight shared by several modules (a fused group) is
+    copied once."""
+
+    def __init__(self, layers: list[torch.nn.Module], dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # id(weight): source, fp8, scale
+        self.swaps: list[tuple[torch.nn.Module, str, torch.nn.Module, QuantizedDraftLinear]] = []
+        for layer in layers:
+            for parent in layer.modules():
+                for name, module in parent.named_children():
+                    source = _source(module)
+                    if source is None:
+                        continue
+                    weight, bias, columns = source
+                    if id(weight) not in self.copies:
+                        self.copies[id(weight)] = (
+                            weight,
+                            torch.empty(weight.shape, dtype=dtype, device=weight.device),
+                            torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device),
+                        )
+                    _, weight8, scale = self.copies[id(weight)]
+                    wrapped = QuantizedDraftLinear(module, weight8, scale, bias, columns)
+                    self.swaps.append((parent, name, module, wrapped))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(weight8.nbytes + scale.nbytes for _, weight8, scale in self.copies.values())
+
+    def refresh(self) -> None:
+        """Quantize the current weights into the copies, in place."""
+        with torch.no_grad():
+            for weight, weight8, scale in self.copies.values():
+                quantized, scales = quantize_rows(weight, self.dtype)
+                weight8.copy_(quantized)
+                scale.copy_(scales)
+
+    def matches(self) -> bool:
+        """Whether the wrapped modules are still where they were (the model's modules, and whether the fused
+        projections are installed, decide which modules there are)."""
+        return bool(self.swaps) and all(getattr(parent, name) is module for parent, name, module, _ in self.swaps)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Within the block, each linear is its `QuantizedDraftLinear`, over freshly quantized weights."""
+        if not self.matches():
+            raise RuntimeError("draft weights built for modules the model's layers no longer hold")
+        self.refresh()
+        try:
+            for parent, name, _, wrapped in self.swaps:
+                setattr(parent, name, wrapped)
+            yield
+        finally:
+            for parent, name, module, _ in reversed(self.swaps):
+                setattr(parent, name, module)
