@@ -324,7 +324,7 @@ def run_point(model, tokenizer, name, batch, seq, args, bandwidth) -> dict:
         if args.acceptance is None:  # exact runs: greedy S3R must reproduce greedy AR
             s3r.update(greedy_agreement(s3r["sequences"], ar["sequences"], input_ids.shape[1]))
         # r2: views refreshed every second round; no suffix: the interval the config chooses (adaptive: the rule's);
-        # int8 / float8: the draft passes' weights (S3RConfig.draft_weights)
+        # int8: the draft passes' weights (S3RConfig.draft_weights)
         key = str(ratio) if interval is None else f"{ratio} r{interval}"
         key += "" if weights == "model" else f" {weights}"
         point["s3r"][key] = {k: v for k, v in s3r.items() if k != "sequences"}
@@ -426,7 +426,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated S3RConfig.refresh_interval values, 'auto' for None (the adaptive rule's "
                              "choice, every round without it); a sweep, rows 's r2' for 2")
     parser.add_argument("--draft-weights", default="model",
-                        help="comma-separated S3RConfig.draft_weights values (model, int8, float8); a sweep, rows "
+                        help="comma-separated S3RConfig.draft_weights values (model, int8); a sweep, rows "
                         "'s int8' for int8")
     parser.add_argument("--draft-len", type=int, default=6)
     parser.add_argument("--min-budget", type=positive_int, default=192)

@@ -124,11 +124,10 @@ class S3RConfig:
             (or a draft graph is captured), another thread's float32 matmuls run in TF32 too; replays of captured
             graphs do not set it. Other dtypes ignore it.
         draft_weights (`str`, defaults to `"model"`):
-            The weights the draft passes' decoder-layer linears read: `"model"`, the model's own; `"int8"` or
-            `"float8"` (e4m3), 8-bit copies with a scale per output feature, half the bytes a draft pass's GEMMs
-            read in bfloat16, quantized from the model's weights at the start of every call (an optimizer step
-            between calls is picked up) and kept with the model's state between calls (half the size of those
-            weights in bfloat16). Like
+            The weights the draft passes' decoder-layer linears read: `"model"`, the model's own; `"int8"`, int8
+            copies with a scale per output feature, half the bytes a draft pass's GEMMs read in bfloat16, quantized
+            from the model's weights at the start of every call (an optimizer step between calls is picked up) and
+            kept with the model's state between calls (half the size of those weights in bfloat16). Like
             `draft_matmul_precision` it changes only the proposals: the verify forward runs the model's own
             weights and the acceptance uses the scores the drafts were sampled from, so samples stay exact, and only
             how often drafts are accepted can change (`docs/benchmarks.md`). On CUDA the 8-bit products run in a
@@ -216,10 +215,8 @@ class S3RConfig:
             raise ValueError(
                 f'S3RConfig.draft_matmul_precision must be "highest" or "high", got {self.draft_matmul_precision!r}'
             )
-        if self.draft_weights not in ("model", "int8", "float8"):
-            raise ValueError(
-                f'S3RConfig.draft_weights must be "model", "int8" or "float8", got {self.draft_weights!r}'
-            )
+        if self.draft_weights not in ("model", "int8"):
+            raise ValueError(f'S3RConfig.draft_weights must be "model" or "int8", got {self.draft_weights!r}')
         if self.draft_weights != "model" and self.fused_layers:
             raise ValueError(
                 f"S3RConfig.draft_weights={self.draft_weights!r} does not combine with fused_layers=True, whose "

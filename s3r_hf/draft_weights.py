@@ -1,7 +1,7 @@
 """8-bit copies of the decoder layers' weights for the draft passes (`S3RConfig.draft_weights`).
 
 A draft pass at rollout batch sizes reads every layer's weights once for a few dozen rows, so its GEMMs cost their
-weights' bytes; 8-bit weights (int8 or float8 e4m3) with a scale per output feature halve them. A draft is only a
+weights' bytes; int8 weights with a scale per output feature halve them. A draft is only a
 proposal: the verify forward runs the model's own weights and the acceptance test divides by the scores the drafts
 were sampled from, so samples stay exactly the dense model's. The rounding can only change how often drafts are
 accepted (docs/benchmarks.md measures it on real text).
@@ -24,9 +24,12 @@ from collections.abc import Iterator
 import torch
 
 from s3r_hf.fused_projections import FusedLinearSlice
-from s3r_hf.kernels.decode_linear_reference import FP8, decode_linear_reference, quantize_rows
+from s3r_hf.kernels.decode_linear_reference import decode_linear_reference, quantize_rows
 
-DTYPES = {"float8": FP8, "int8": torch.int8}  # S3RConfig.draft_weights: the copies' dtype
+# S3RConfig.draft_weights: the copies' dtype. Float8 (e4m3) copies, which the kernel also takes, round each weight
+# to three mantissa bits: on SmolLM2's real text they lowered the acceptance twice as much as int8 copies of the
+# same size (docs/benchmarks.md), so they are not offered.
+DTYPES = {"int8": torch.int8}
 
 _drafting = False  # read by `QuantizedDraftLinear.forward`; compiled layers guard on it
 
@@ -100,7 +103,7 @@ def _source(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None,
 
 
 class DraftWeights:
-    """`dtype` copies (int8 or float8) of the weights of every linear in `layers`, as the modules stand when it is
+    """`dtype` copies (8-bit) of the weights of every linear in `layers`, as the modules stand when it is
     built, and the `QuantizedDraftLinear`s that read them. A weight shared by several modules (a fused group) is
     copied once."""
 

@@ -50,7 +50,7 @@ class ModelForward:
         try:
             model = self.model
             # A draft pass's plan holds sparse queries only; with `S3RConfig.draft_weights` its linears read their
-            # float8 copies (`draft_weights.py`).
+            # 8-bit copies (`draft_weights.py`).
             with draft_pass(plan.sparse is not None and plan.dense is None):
                 output = model(
                     input_ids=ids, position_ids=plan.position_ids, use_cache=True, s3r_step=plan,

@@ -45,10 +45,9 @@ def _counting(monkeypatch) -> list[tuple[bool, int]]:
     return forwards
 
 
-@pytest.mark.parametrize("dtype", ["int8", "float8"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("phase", [True, False], ids=["draft-phase", "host-driven-passes"])
-def test_greedy_equals_dense_and_only_drafts_read_the_copies(monkeypatch, family, dtype, phase):
+def test_greedy_equals_dense_and_only_drafts_read_the_copies(monkeypatch, family, phase):
     model = s3r_hf.enable(tiny_model(family, seed=81).to(DEVICE))
     names = [name for name, _ in model.named_modules()]
     parameters = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -58,7 +57,7 @@ def test_greedy_equals_dense_and_only_drafts_read_the_copies(monkeypatch, family
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=24, **processors)
     forwards = _counting(monkeypatch) if DEVICE.type == "cpu" else None
     out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=24,
-                         s3r_config=S3RConfig(**CONFIG, draft_weights=dtype), **processors)
+                         s3r_config=S3RConfig(**CONFIG, draft_weights="int8"), **processors)
     assert torch.equal(out, dense) and out.s3r_stats.drafted > 0
     if forwards is not None:  # seven linears in each of the model's layers, in every draft pass and nowhere else
         layers = model.config.num_hidden_layers
@@ -118,7 +117,7 @@ def test_compiled_draft_passes_run_one_product_per_fused_group(monkeypatch):
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=16)
     forwards = _counting(monkeypatch)
     out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=16,
-                         s3r_config=S3RConfig(**CONFIG, draft_weights="float8", compile_layers=True))
+                         s3r_config=S3RConfig(**CONFIG, draft_weights="int8", compile_layers=True))
     assert torch.equal(out, dense) and out.s3r_stats.drafted > 0
     if DEVICE.type == "cpu":
         layers = model.config.num_hidden_layers
@@ -128,7 +127,8 @@ def test_compiled_draft_passes_run_one_product_per_fused_group(monkeypatch):
 
 
 def test_bad_values_are_refused_by_name():
-    with pytest.raises(ValueError, match="draft_weights must be"):
-        S3RConfig(draft_weights="fp4")
+    for value in ("fp4", "float8", 8):
+        with pytest.raises(ValueError, match="draft_weights must be"):
+            S3RConfig(draft_weights=value)
     with pytest.raises(ValueError, match="fused_layers"):
         S3RConfig(draft_weights="int8", fused_layers=True)

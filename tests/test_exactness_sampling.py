@@ -68,7 +68,7 @@ RUNTIMES = {
     "graphs+compile+tf32-drafts": {"cuda_graphs": True, "compile_layers": True, "draft_matmul_precision": "high"},
     # 8-bit copies of the layers' weights in the draft passes (`S3RConfig.draft_weights`): again the proposal changes
     "int8-drafts": {"draft_weights": "int8"},
-    "graphs+compile+float8-drafts": {"cuda_graphs": True, "compile_layers": True, "draft_weights": "float8"},
+    "graphs+compile+int8-drafts": {"cuda_graphs": True, "compile_layers": True, "draft_weights": "int8"},
 }
 GRAPHS = list(RUNTIMES) if DEVICE.type == "cuda" else ["eager", "int8-drafts"]
 
