@@ -19,6 +19,7 @@ calls is picked up; captured graphs read them by address), and kept with the mod
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -31,22 +32,27 @@ from s3r_hf.kernels.decode_linear_reference import decode_linear_reference, quan
 # same size (docs/benchmarks.md), so they are not offered.
 DTYPES = {"int8": torch.int8}
 
-_drafting = False  # read by `QuantizedDraftLinear.forward`; compiled layers guard on it
+# Read by `QuantizedDraftLinear.forward`: whether a draft pass runs (compiled layers guard on it), and in which thread.
+# Another thread's forward of the model during the pass (a dense `generate`) runs the model's own weights.
+_drafting = False
+_drafting_thread: int | None = None
 
 
 @contextlib.contextmanager
 def draft_pass(on: bool = True) -> Iterator[None]:
-    """Within the block, wrapped linears read their 8-bit copies (if `on`)."""
-    global _drafting
-    before, _drafting = _drafting, on
+    """Within the block, wrapped linears read their 8-bit copies (if `on`) in this thread."""
+    global _drafting, _drafting_thread
+    before = _drafting, _drafting_thread
+    _drafting, _drafting_thread = on, threading.get_ident()
     try:
         yield
     finally:
-        _drafting = before
+        _drafting, _drafting_thread = before
 
 
 def drafting() -> bool:
-    return _drafting
+    """Whether this thread runs a draft pass."""
+    return _drafting and _drafting_thread == threading.get_ident()
 
 
 @torch.library.custom_op("s3r_hf::quantized_linear", mutates_args=())
@@ -84,7 +90,8 @@ class QuantizedDraftLinear(torch.nn.Module):
         self.inner = (inner,)  # out of the module tree: the model's parameter names stay as they are
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not _drafting:
+        # Compiled code runs in the drafting thread only (`compiled_layers._owner_dispatch`), and reads no thread id.
+        if not _drafting or not (torch.compiler.is_compiling() or _drafting_thread == threading.get_ident()):
             return self.inner[0](hidden_states)
         out = torch.ops.s3r_hf.quantized_linear(hidden_states, self.weight8, self.scale)
         if self.bias is not None:

@@ -9,6 +9,7 @@ one GEMM per group in compiled draft passes.
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -22,6 +23,15 @@ from tests.conftest import left_padded_batch, tiny_model
 
 DEVICE = torch.device(os.environ.get("S3R_HF_TEST_DEVICE", "cpu"))
 CONFIG = dict(adaptive=False, draft_len=4, budget_ratio=0.2, min_budget=2, page_size=4)
+
+
+def _coarse_int8(model) -> None:
+    """One huge weight per row of the down projections sets the row's int8 scale, so every other weight of the row
+    rounds to 0 in the copies; that weight reads an activation held at 0, so the model's own outputs keep it out."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight[:, 0] = 1e4
+            layer.mlp.gate_proj.weight[0] = 0.0
 
 
 def _counting(monkeypatch) -> list[tuple[bool, int]]:
@@ -73,10 +83,7 @@ def test_the_drafts_differ_from_the_models_own():
     where the views hold every position (there the model's own drafts are all accepted)."""
     model = s3r_hf.enable(tiny_model("llama", seed=83).to(DEVICE))
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 21, 14], seed=84))
-    with torch.no_grad():  # one huge weight per row of the down projections sets the int8 scale, and every other
-        for layer in model.model.layers:  # weight rounds to 0; that weight reads an activation held at 0
-            layer.mlp.down_proj.weight[:, 0] = 1e4
-            layer.mlp.gate_proj.weight[0] = 0.0
+    _coarse_int8(model)
     whole = dict(CONFIG, min_budget=1000)
     stats = {
         weights: model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=24,
@@ -132,3 +139,36 @@ def test_bad_values_are_refused_by_name():
             S3RConfig(draft_weights=value)
     with pytest.raises(ValueError, match="fused_layers"):
         S3RConfig(draft_weights="int8", fused_layers=True)
+
+
+def test_another_threads_forwards_during_a_draft_pass_read_the_models_weights(monkeypatch):
+    """The S3R call pauses inside a draft pass, after its first 8-bit product; meanwhile a dense `generate` of the
+    same model in the main thread runs the model's own weights, bit for bit."""
+    model = s3r_hf.enable(tiny_model("llama", seed=89).to(DEVICE))
+    _coarse_int8(model)  # so that the copies' products would change the dense tokens
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 21], seed=90))
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=12)
+    dense = model.generate(**kwargs)
+    inside, proceed = threading.Event(), threading.Event()
+    reference = draft_weights.decode_linear_reference
+
+    def pausing(*args, **kw):
+        if threading.current_thread() is not threading.main_thread() and not inside.is_set():
+            inside.set()
+            assert proceed.wait(60)
+        return reference(*args, **kw)
+
+    monkeypatch.setattr(draft_weights, "decode_linear_reference", pausing)
+    result = {}
+    call = threading.Thread(target=lambda: result.update(out=model.generate(
+        **kwargs, s3r_config=S3RConfig(**CONFIG, draft_weights="int8"))))
+    call.start()
+    try:
+        assert inside.wait(60)
+        assert draft_weights._drafting and not draft_weights.drafting()
+        assert torch.equal(model.generate(**kwargs), dense)
+    finally:
+        proceed.set()
+        call.join(60)
+    assert torch.equal(result["out"], dense)
+    s3r_hf.release(model)
