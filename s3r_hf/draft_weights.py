@@ -28,8 +28,8 @@ from s3r_hf.fused_projections import FusedLinearSlice
 from s3r_hf.kernels.decode_linear_reference import decode_linear_reference, quantize_rows
 
 # S3RConfig.draft_weights: the copies' dtype. Float8 (e4m3) copies, which the kernel also takes, round each weight
-# to three mantissa bits: on SmolLM2's real text they lowered the acceptance twice as much as int8 copies of the
-# same size (docs/benchmarks.md), so they are not offered.
+# to three mantissa bits: on SmolLM2's real text they lowered τ over three times as much as int8 copies of the same
+# size (docs/benchmarks.md), so they are not offered.
 DTYPES = {"int8": torch.int8}
 
 # Read by `QuantizedDraftLinear.forward`: whether a draft pass runs (compiled layers guard on it), and in which thread.
