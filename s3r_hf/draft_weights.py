@@ -1,16 +1,16 @@
 """8-bit copies of the decoder layers' weights for the draft passes (`S3RConfig.draft_weights`).
 
 A draft pass at rollout batch sizes reads every layer's weights once for a few dozen rows, so its GEMMs cost their
-weights' bytes; int8 weights with a scale per output feature halve them. A draft is only a
-proposal: the verify forward runs the model's own weights and the acceptance test divides by the scores the drafts
-were sampled from, so samples stay exactly the dense model's. The rounding can only change how often drafts are
-accepted (docs/benchmarks.md measures it on real text).
+weights' bytes; int8 weights with a scale per output feature halve them. A draft is only a proposal: the verify
+forward runs the model's own weights and the acceptance test divides by the scores the drafts were sampled from, so
+samples stay exactly the dense model's. The rounding can only change how often drafts are accepted
+(docs/benchmarks.md measures it on real text).
 
 While an engine runs, each linear inside a decoder layer (after `compile_layers` fused its Q/K/V and gate/up
 projections: the fused GEMM's weights) is wrapped by a `QuantizedDraftLinear`, which runs the wrapped module in
-every forward but a draft pass. `ModelForward` marks the draft passes (`draft_pass`): the forwards whose plan holds
-sparse queries only. Compiled layers read the mark while they are traced, so they compile once for draft passes and once
-for the rest; CUDA graphs keep the kernels of their capture.
+every forward but a draft pass, and in every other thread's forward. `ModelForward` marks the draft passes
+(`draft_pass`): the forwards whose plan holds sparse queries only. Compiled layers read the mark while they are
+traced, so they compile once for draft passes and once for the rest; CUDA graphs keep the kernels of their capture.
 
 The copies are refilled in place from the model's weights each time an engine starts (an optimizer step between
 calls is picked up; captured graphs read them by address), and kept with the model's runtime between calls.
@@ -116,7 +116,8 @@ class DraftWeights:
 
     def __init__(self, layers: list[torch.nn.Module], dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # id(weight): source, fp8, scale
+        # id(weight): the weight, its copy, the copy's scales
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.swaps: list[tuple[torch.nn.Module, str, torch.nn.Module, QuantizedDraftLinear]] = []
         for layer in layers:
             for parent in layer.modules():
