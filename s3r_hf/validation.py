@@ -33,6 +33,8 @@ def text_config(model: PreTrainedModel):
 _ATTENTION_S3R_CANNOT_READ = {
     "diffllama": "differential attention calls the attention function on halves of the cached values, while S3R "
     "reads whole cached values from its KV pool",
+    "hrm_text": "its decoder layers run again in every recurrent cycle of a forward, each cycle caching under other "
+    "layer indices, while S3R's engine runs each cached layer once per forward",
 }
 _LATENT_ATTENTION = ("multi-head latent attention (kv_lora_rank) caches keys and values of other widths than "
                      "head_dim, which S3R's KV pool does not hold")

@@ -380,13 +380,25 @@ def _latent_attention():
     )).eval()
 
 
+def _hrm_text():
+    import transformers
+
+    if not hasattr(transformers, "HrmTextForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no HRM-Text")
+    torch.manual_seed(97)
+    config = transformers.HrmTextConfig(**{**TINY, "max_position_embeddings": 512, "H_cycles": 1, "L_cycles": 1})
+    return transformers.HrmTextForCausalLM(config).eval()
+
+
 @pytest.mark.parametrize("build, reason", [
     (_diffllama, "differential attention"), (_latent_attention, "multi-head latent attention"),
-], ids=["diffllama", "latent-attention"])
+    (_hrm_text, "recurrent cycle"),
+], ids=["diffllama", "latent-attention", "hrm-text"])
 def test_attention_that_reads_other_kv_than_it_caches_is_refused(build, reason):
     """DiffLlama calls the attention on halves of its cached values and latent attention caches K/V of other widths
     than `head_dim`: S3R, which reads whole cached K/V from its pool, would compute something else (DiffLlama: other
-    tokens from the prefill on) or fail inside a kernel. Both are refused by name."""
+    tokens from the prefill on) or fail inside a kernel; HRM-Text runs its layers several times per forward. All are
+    refused by name, before the first forward."""
     model = build()
     input_ids, attention_mask = left_padded_batch([5, 9], seed=95)
     with pytest.raises(s3r_hf.UnsupportedModelError, match=reason):
