@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import torch
 
-from s3r_hf.fused_projections import FusedLinearSlice
+from s3r_hf.fused_projections import FusedLinearSlice, swapped_modules
 from s3r_hf.kernels.decode_linear_reference import decode_linear_reference, quantize_rows
 
 # S3RConfig.draft_weights: the copies' dtype. Float8 (e4m3) copies, which the kernel also takes, round each weight
@@ -159,10 +159,5 @@ class DraftWeights:
         if not self.matches():
             raise RuntimeError("draft weights built for modules the model's layers no longer hold")
         self.refresh()
-        try:
-            for parent, name, _, wrapped in self.swaps:
-                setattr(parent, name, wrapped)
+        with swapped_modules(self.swaps):
             yield
-        finally:
-            for parent, name, module, _ in reversed(self.swaps):
-                setattr(parent, name, module)

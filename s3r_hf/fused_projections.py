@@ -116,13 +116,21 @@ class FusedProjections:
             if getattr(parent, name) is not linear:  # `runtime_state` rebuilds these when the model's modules change
                 raise RuntimeError(f"fused projections built for a {name} module the model no longer holds")
         self.refresh()
-        try:
-            for parent, name, _, fused in self.swaps:
-                setattr(parent, name, fused)
+        with swapped_modules(self.swaps):
             yield
-        finally:
-            for parent, name, linear, _ in reversed(self.swaps):
-                setattr(parent, name, linear)
+
+
+@contextlib.contextmanager
+def swapped_modules(swaps: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]]) -> Iterator[None]:
+    """Within the block, each `(parent, name, original, replacement)` of `swaps` has `replacement` as its `parent`'s
+    child `name`; the originals are put back afterwards, in reverse order."""
+    try:
+        for parent, name, _, replacement in swaps:
+            setattr(parent, name, replacement)
+        yield
+    finally:
+        for parent, name, original, _ in reversed(swaps):
+            setattr(parent, name, original)
 
 
 class MergeIdenticalGemms(CustomGraphPass):
