@@ -99,7 +99,8 @@ def test_the_copies_follow_the_models_weights_between_calls():
     model = s3r_hf.enable(tiny_model("llama", seed=85).to(DEVICE))
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 21], seed=86))
     config = S3RConfig(**CONFIG, draft_weights="int8")
-    model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=8, s3r_config=config)
+    model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=16, s3r_config=config)
+    (first,) = runtime_for(model).draft_weights.values()
     with torch.no_grad():  # an optimizer step, in place
         for p in model.parameters():
             p.mul_(1.01).add_(0.001)
@@ -108,6 +109,7 @@ def test_the_copies_follow_the_models_weights_between_calls():
                          s3r_config=config)
     assert torch.equal(out, dense)
     (kept,) = runtime_for(model).draft_weights.values()
+    assert kept is first  # kept from the first call (its pool fits the second), and requantized
     q_proj = model.model.layers[0].self_attn.q_proj.weight
     weight8, scale = kept.copies[id(q_proj)][1:]
     expected8, expected_scale = quantize_rows(q_proj, torch.int8)
