@@ -1,8 +1,10 @@
 """Time a decoder layer's GEMMs at decode row counts (GPU only): cuBLAS as the compiled layers run it, cuBLASLt's
 heuristics, inductor's max-autotune (its Triton templates against ATen) and the fused layers' split-K kernel,
-each against the weight-read floor.
+each against the weight-read floor; with `--triton-sweep` also `decode_linear` (bf16, int8 and float8 weights, the
+draft passes' kernel of `S3RConfig.draft_weights`) over its launch settings, and float8 cuBLASLt.
 
-    python tools/decode_gemms.py [--shapes smollm2-135m,qwen3-1.7b] [--rows 64,448] [--no-autotune] [--json PATH]
+    python tools/decode_gemms.py [--shapes smollm2-135m,qwen3-1.7b] [--rows 64,448] [--no-autotune]
+                                 [--triton-sweep] [--json PATH]
 
 At a draft pass's or a dense step's row count a GEMM reads its weight once and does little arithmetic, so its
 floor is the weight's bytes at the measured copy bandwidth. Each GEMM is timed over enough copies of its weight
@@ -71,7 +73,7 @@ def time_gemm(rows: int, out_features: int, in_features: int, bandwidth: float, 
         "cublaslt": lambda w: F.linear(x, w),  # the same call under cuBLASLt's heuristics (`BLAS_LIBRARY`)
         "split_k": lambda w: layer_triton.linear_residual(x, w, None, residual),
     }
-    if triton_sweep:  # `decode_linear`: bf16 weights, and float8 weights with a scale per output feature
+    if triton_sweep:  # `decode_linear`: bf16 weights, and float8 and int8 weights with a scale per output feature
         quantized = {id(w): decode_linear_reference.quantize_rows(w) for w in weights}
         launches = _sweep_launches(rows, out_features, in_features)
         _best(variants, "triton_bf16", launches,
@@ -95,7 +97,7 @@ def time_gemm(rows: int, out_features: int, in_features: int, bandwidth: float, 
                 variants[name] = lambda w, compiled=compiled: compiled(x, w)
             except Exception as error:  # reported beside the others
                 variants[name] = error
-    expected = F.linear(x, weights[0]).float()  # float8 variants differ by their weights' rounding (~0.1)
+    expected = F.linear(x, weights[0]).float()  # 8-bit variants differ by their weights' rounding (~0.1)
     result = {"rows": rows, "out": out_features, "in": in_features, "copies": copies,
               "floor_us": weight_bytes / bandwidth * 1e6, "us": {}, "max_abs_diff": {}}
     for name, gemm in variants.items():
@@ -123,8 +125,8 @@ def main() -> None:
     parser.add_argument("--rows", default="64,448")
     parser.add_argument("--no-autotune", action="store_true", help="leave out inductor's max-autotune variants")
     parser.add_argument("--triton-sweep", action="store_true",
-                        help="also time decode_linear (bf16 and float8 weights) over launch settings, and float8 "
-                        "cuBLASLt")
+                        help="also time decode_linear (bf16, int8 and float8 weights; the 8-bit ones read half the "
+                        "bytes the printed floor counts) over launch settings, and float8 cuBLASLt")
     parser.add_argument("--json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
