@@ -33,16 +33,16 @@ SETTINGS = ("model", "int8", "float8-emulated", "int8-groups-emulated")
 
 
 def rounded(weight: torch.Tensor, setting: str, group: int) -> torch.Tensor:
-    """`weight` as an emulated setting's draft passes see it."""
+    """`weight` as an emulated setting's draft passes see it: `quantize_rows` over its rows (float8), or over groups of
+    `group` weights of a row taken as rows of their own (int8 groups)."""
     if setting == "float8-emulated":
-        quantized, scale = quantize_rows(weight, FP8)
-        return (quantized.float() * scale[:, None]).to(weight.dtype)
-    rows, columns = weight.shape
-    if columns % group:
-        raise SystemExit(f"--group {group} does not divide a row of {columns} weights")
-    grouped = weight.float().view(rows, columns // group, group)
-    scale = grouped.abs().amax(dim=2, keepdim=True).clamp(min=1e-12) / 127
-    return (torch.round(grouped / scale).clamp(-127, 127) * scale).view(rows, columns).to(weight.dtype)
+        rows, dtype = weight, FP8
+    elif weight.shape[1] % group:
+        raise SystemExit(f"--group {group} does not divide a row of {weight.shape[1]} weights")
+    else:
+        rows, dtype = weight.reshape(-1, group), torch.int8
+    quantized, scale = quantize_rows(rows, dtype)
+    return (quantized.float() * scale[:, None]).view(weight.shape).to(weight.dtype)
 
 
 @contextlib.contextmanager
