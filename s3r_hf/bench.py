@@ -132,8 +132,9 @@ def stage_floors_ms(
     draft_weights = weights
     if config.draft_weights != "model":
         from s3r_hf.compiled_layers import decoder_layers
+        from s3r_hf.draft_weights import quantizable
 
-        linears = [m.weight for layer in decoder_layers(model) for m in layer.modules() if type(m) is torch.nn.Linear]
+        linears = [m.weight for layer in decoder_layers(model) for m in layer.modules() if quantizable(m)]
         draft_weights -= sum(w.numel() * (w.element_size() - 1) for w in linears)
     kv_per_token = page_bytes(model.config, 1, model.dtype)
     layers, kv_heads, _ = kv_shape(model.config)

@@ -99,12 +99,17 @@ class QuantizedDraftLinear(torch.nn.Module):
         return out if self.columns is None else out[..., self.columns]
 
 
+def quantizable(module: torch.nn.Module) -> bool:
+    """Whether `module` is a plain linear whose weight the draft passes read as an 8-bit copy."""
+    return type(module) is torch.nn.Linear and module.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _source(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, slice | None] | None:
     """`(weight, bias, columns)` a wrapped module computes with, or None for a module left alone: plain linears, and
     the fused projections' slices (their group's concatenated weight, and their columns of it)."""
     if isinstance(module, FusedLinearSlice):
         return module.weight, module.bias, module.columns
-    if type(module) is torch.nn.Linear and module.weight.dtype in (torch.float32, torch.bfloat16, torch.float16):
+    if quantizable(module):
         return module.weight, module.bias, None
     return None
 
