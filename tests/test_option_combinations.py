@@ -3,9 +3,10 @@
 The other tests vary one option at a time; here each case draws a model, a batch of prompts (some repeated, as GRPO
 asks for several generations of a prompt) and a combination of `S3RConfig` and generation options: fixed or
 adaptive `k`, draft lengths, view budgets, page sizes, prefill chunks, mixed stages, shared prompts, a capped
-concurrency, a KV pool barely larger than a request, fused layers (their torch reference on a CPU), EOS tokens,
-minimum lengths, penalties and banned words. Greedy decoding and point-mass sampling (`top_k=1` or a tiny `top_p`,
-which sample the argmax through the sampling path) must give dense decoding's tokens in every case."""
+concurrency, a KV pool barely larger than a request, fused layers (their torch reference on a CPU), int8 draft
+weights, EOS tokens, minimum lengths, penalties and banned words. Greedy decoding and point-mass sampling (`top_k=1`
+or a tiny `top_p`, which sample the argmax through the sampling path) must give dense decoding's tokens in every
+case."""
 
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ def _case(index: int) -> tuple[str, int, list[int], dict, dict, dict]:
         options["bad_words_ids"] = [[rng.randrange(3, 256)] for _ in range(3)]
     point_mass = rng.choice([dict(do_sample=False), dict(do_sample=True, top_k=1, temperature=rng.choice([0.7, 1.3])),
                              dict(do_sample=True, top_k=0, top_p=1e-6)])
+    # Drawn last, so the draws above stay as they were; the fused layers read the model's linears and refuse it.
+    if not config["fused_layers"] and rng.random() < 0.3:
+        config["draft_weights"] = "int8"
     return kind, seed, lengths, config, options, point_mass
 
 
