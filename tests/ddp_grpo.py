@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -22,8 +23,12 @@ def main() -> None:
         world = trainer.accelerator.num_processes
         logged = [entry for entry in trainer.state.log_history if "s3r/acceptance_rate" in entry]
         model_type = type(trainer.model_wrapped).__name__
-        print(f"S3R-DDP rank={rank} world={world} steps={trainer.state.global_step} s3r_logs={len(logged)} "
-              f"wrapped={model_type}", flush=True)
+        report = (f"S3R-DDP rank={rank} world={world} steps={trainer.state.global_step} s3r_logs={len(logged)} "
+                  f"wrapped={model_type}\n")
+        # One write of the whole line, newline included: the two ranks share the pipe, and `print` under unbuffered
+        # output writes the text and the newline apart, so one rank's line once ran into the other's.
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), report.encode())
         # Tear the gloo process group down before the interpreter exits: left to exit, its threads were once
         # destroyed while running, and both ranks aborted (SIGABRT) after finishing their steps.
         trainer.accelerator.end_training()
