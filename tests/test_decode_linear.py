@@ -1,5 +1,5 @@
 """`decode_linear`, the Triton linear at decode row counts, against its torch reference: half-precision and float8
-weights, split and unsplit K, ragged shapes; and its refusals.
+weights with a scale per output feature or per group, split and unsplit K, ragged shapes; and its refusals.
 
 On CPU the kernel runs under Triton's interpreter, which has no bfloat16 arithmetic (float16 stands in for it);
 with `S3R_HF_TEST_DEVICE=cuda` it runs on the GPU in bfloat16 and float16.
@@ -55,6 +55,25 @@ def test_quantized_weights_match_their_reference(launch, dtype, quantized):
     assert 1e-3 < (expected.float() - original).abs().max() < 0.3
 
 
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("launch", [None, (64, 256, 1, 4, 2), (32, 64, 3, 4, 2)])
+def test_weights_with_a_scale_per_group_match_their_reference(launch, dtype, group):
+    x, weight = _inputs(40, 96, 384, dtype, seed=3)
+    # The first group of each row is far larger, and the rows read none of it: a scale per row would round the rest
+    # on the large group's scale, a scale per group on their own
+    weight[:, :group] *= 50
+    x[:, :group] = 0
+    weight8, scale = reference.quantize_rows(weight, torch.int8, group=group)
+    assert scale.shape == (96, 384 // group)
+    expected = reference.decode_linear_reference(x, weight8, scale)
+    out = decode_linear.decode_linear(x, weight8, scale, launch=launch)
+    torch.testing.assert_close(out.float(), expected.float(), atol=4e-3, rtol=1e-2)
+    per_row = reference.decode_linear_reference(x, *reference.quantize_rows(weight, torch.int8)).float()
+    original = reference.decode_linear_reference(x, weight).float()
+    assert (expected.float() - original).abs().max() < (per_row - original).abs().max() / 8
+
+
 @pytest.mark.parametrize("quantized", [torch.float8_e4m3fn, torch.int8], ids=["float8", "int8"])
 def test_quantize_rows_keeps_each_row_within_its_scale(quantized):
     _, weight = _inputs(1, 64, 256, torch.float32, seed=2)
@@ -70,6 +89,8 @@ def test_quantize_rows_keeps_each_row_within_its_scale(quantized):
         assert (error <= weight.abs() / 16 + scale[:, None] * 2**-9).all()
     with pytest.raises(ValueError, match="quantize to"):
         reference.quantize_rows(weight, torch.float16)
+    with pytest.raises(ValueError, match="a group of 96 weights does not divide rows of 256"):
+        reference.quantize_rows(weight, quantized, group=96)
 
 
 def test_refusals_name_the_problem():
@@ -83,3 +104,6 @@ def test_refusals_name_the_problem():
         decode_linear.decode_linear(x, reference.quantize_rows(weight, torch.int8)[0])
     with pytest.raises(ValueError, match="scale per output feature"):
         decode_linear.decode_linear(x, weight, scale)
+    weight8, group_scale = reference.quantize_rows(weight, torch.int8, group=32)
+    with pytest.raises(ValueError, match="groups of 64 or 128 weights"):
+        decode_linear.decode_linear(x, weight8, group_scale)

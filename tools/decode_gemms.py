@@ -1,7 +1,8 @@
 """Time a decoder layer's GEMMs at decode row counts (GPU only): cuBLAS as the compiled layers run it, cuBLASLt's
 heuristics, inductor's max-autotune (its Triton templates against ATen) and the fused layers' split-K kernel,
-each against the weight-read floor; with `--triton-sweep` also `decode_linear` (bf16, int8 and float8 weights, the
-draft passes' kernel of `S3RConfig.draft_weights`) over its launch settings, and float8 cuBLASLt.
+each against the weight-read floor; with `--triton-sweep` also `decode_linear` (bf16, int8 and float8 weights, and
+int8 with a scale per group of 64 or 128 weights; the draft passes' kernel of `S3RConfig.draft_weights`) over its
+launch settings, and float8 cuBLASLt.
 
     python tools/decode_gemms.py [--shapes smollm2-135m,qwen3-1.7b] [--rows 64,448] [--no-autotune]
                                  [--triton-sweep] [--json PATH]
@@ -73,7 +74,8 @@ def time_gemm(rows: int, out_features: int, in_features: int, bandwidth: float, 
         "cublaslt": lambda w: F.linear(x, w),  # the same call under cuBLASLt's heuristics (`BLAS_LIBRARY`)
         "split_k": lambda w: layer_triton.linear_residual(x, w, None, residual),
     }
-    if triton_sweep:  # `decode_linear`: bf16 weights, and float8 and int8 weights with a scale per output feature
+    if triton_sweep:  # `decode_linear`: bf16 weights, float8 and int8 weights with a scale per output feature, and
+        # int8 weights with a scale per group
         quantized = {id(w): decode_linear_reference.quantize_rows(w) for w in weights}
         launches = _sweep_launches(rows, out_features, in_features)
         _best(variants, "triton_bf16", launches,
@@ -83,6 +85,11 @@ def time_gemm(rows: int, out_features: int, in_features: int, bandwidth: float, 
         int8 = {id(w): decode_linear_reference.quantize_rows(w, torch.int8) for w in weights}
         _best(variants, "triton_int8", launches,
               lambda launch: lambda w: decode_linear_triton.decode_linear(x, *int8[id(w)], launch=launch))
+        for group in decode_linear_triton.GROUPS:  # int8 with a scale per group: the group is the K tile
+            by_group = {id(w): decode_linear_reference.quantize_rows(w, torch.int8, group=group) for w in weights}
+            _best(variants, f"triton_int8_g{group}", sorted({(n, group, *rest) for n, _, *rest in launches}),
+                  lambda launch, copies=by_group: lambda weight: decode_linear_triton.decode_linear(
+                      x, *copies[id(weight)], launch=launch))
         # cuBLASLt's float8 GEMM with the activations already quantized by row: a lower bound of that path, which
         # would quantize them in the kernel before it
         x8, x_scale = decode_linear_reference.quantize_rows(x)
@@ -149,7 +156,8 @@ def main() -> None:
                 failed = [k for k, v in r["us"].items() if v is None]
                 print(f"{shape:>13} {gemm:>7} M={rows:<4} floor {r['floor_us']:.1f} us | {cells}"
                       + (f" | failed: {', '.join(failed)}" if failed else ""), flush=True)
-                tolerance = {"triton_fp8": 0.5, "scaled_mm_fp8": 0.5, "triton_int8": 0.2}
+                tolerance = {"triton_fp8": 0.5, "scaled_mm_fp8": 0.5, "triton_int8": 0.2, "triton_int8_g64": 0.2,
+                             "triton_int8_g128": 0.2}
                 bad = {k: v for k, v in r["max_abs_diff"].items()
                        if isinstance(v, str) or v > tolerance.get(k.partition("@")[0], 0.05)}
                 if bad:
