@@ -12,6 +12,8 @@ import torch
 from s3r_hf.draft_policy import MAX_ADAPTIVE_REFRESH_INTERVAL
 
 MAX_DRAFT_LEN = 64
+# S3RConfig.draft_weights: the model's own, or 8-bit copies in a format of `draft_weights.FORMATS`
+DRAFT_WEIGHTS = ("model", "int8", "int8-g64", "int8-g128")
 """The largest `S3RConfig.draft_len`: verify blocks of up to 65 queries, which the attention kernels tile as
 decode-shaped segments (`kernels/triton_backend.PREFILL_QUERIES`)."""
 
@@ -125,7 +127,9 @@ class S3RConfig:
             graphs do not set it. Other dtypes ignore it.
         draft_weights (`str`, defaults to `"model"`):
             The weights the draft passes' decoder-layer linears read: `"model"`, the model's own; `"int8"`, int8
-            copies with a scale per output feature, half the bytes a draft pass's GEMMs read in bfloat16, quantized
+            copies with a scale per output feature; `"int8-g64"` and `"int8-g128"`, int8 copies with a scale per 64
+            or 128 weights along a row (closer to the model's weights; each linear's input width must be a multiple
+            of the group). The copies are half the bytes a draft pass's GEMMs read in bfloat16, quantized
             from the model's weights at the start of every call (an optimizer step between calls is picked up) and
             kept with the model's state between calls (half the size of those weights in bfloat16). Like
             `draft_matmul_precision` it changes only the proposals: the verify forward runs the model's own
@@ -215,8 +219,9 @@ class S3RConfig:
             raise ValueError(
                 f'S3RConfig.draft_matmul_precision must be "highest" or "high", got {self.draft_matmul_precision!r}'
             )
-        if self.draft_weights not in ("model", "int8"):
-            raise ValueError(f'S3RConfig.draft_weights must be "model" or "int8", got {self.draft_weights!r}')
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            choices = ", ".join(f'"{name}"' for name in DRAFT_WEIGHTS)
+            raise ValueError(f"S3RConfig.draft_weights must be one of {choices}, got {self.draft_weights!r}")
         if self.draft_weights != "model" and self.fused_layers:
             raise ValueError(
                 f"S3RConfig.draft_weights={self.draft_weights!r} does not combine with fused_layers=True, whose "

@@ -1,7 +1,8 @@
 """8-bit copies of the decoder layers' weights for the draft passes (`S3RConfig.draft_weights`).
 
 A draft pass at rollout batch sizes reads every layer's weights once for a few dozen rows, so its GEMMs cost their
-weights' bytes; int8 weights with a scale per output feature halve them. A draft is only a proposal: the verify
+weights' bytes; int8 weights with a scale per output feature, or per group of 64 or 128 weights along a row, halve
+them. A draft is only a proposal: the verify
 forward runs the model's own weights and the acceptance test divides by the scores the drafts were sampled from, so
 samples stay exactly the dense model's. The rounding can only change how often drafts are accepted
 (docs/benchmarks.md measures it on real text).
@@ -27,10 +28,15 @@ import torch
 from s3r_hf.fused_projections import FusedLinearSlice, swapped_modules
 from s3r_hf.kernels.decode_linear_reference import decode_linear_reference, quantize_rows
 
-# S3RConfig.draft_weights: the copies' dtype. Float8 (e4m3) copies, which the kernel also takes, round each weight
-# to three mantissa bits: on SmolLM2's real text they lowered τ over three times as much as int8 copies of the same
-# size (docs/benchmarks.md), so they are not offered.
-DTYPES = {"int8": torch.int8}
+# S3RConfig.draft_weights: the copies' dtype, and the weights along a row that share a scale (None: the whole row).
+# Float8 (e4m3) copies, which the kernel also takes, round each weight to three mantissa bits: on SmolLM2's real text
+# they lowered τ over three times as much as int8 copies of the same size (docs/benchmarks.md), so they are not
+# offered.
+FORMATS: dict[str, tuple[torch.dtype, int | None]] = {
+    "int8": (torch.int8, None),
+    "int8-g64": (torch.int8, 64),
+    "int8-g128": (torch.int8, 128),
+}
 
 # Read by `QuantizedDraftLinear.forward`: whether a draft pass runs (compiled layers guard on it), and in which thread.
 # Another thread's forward of the model during the pass (a dense `generate`) runs the model's own weights.
@@ -57,8 +63,8 @@ def drafting() -> bool:
 
 @torch.library.custom_op("s3r_hf::quantized_linear", mutates_args=())
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`x @ (weight * scale[:, None]).T` for 8-bit `weight`, in `x`'s dtype: the Triton kernel on CUDA, its torch
-    reference elsewhere."""
+    """`x @ (weight * scale).T` for 8-bit `weight` with a scale per output feature or per group (`quantize_rows`), in
+    `x`'s dtype: the Triton kernel on CUDA, its torch reference elsewhere."""
     flat = x.reshape(-1, x.shape[-1])
     if x.is_cuda:
         from s3r_hf.kernels.decode_linear_triton import decode_linear
@@ -116,26 +122,33 @@ def _source(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None,
 
 class DraftWeights:
     """`dtype` copies (8-bit) of the weights of every linear in `layers`, as the modules stand when it is
-    built, and the `QuantizedDraftLinear`s that read them. A weight shared by several modules (a fused group) is
-    copied once."""
+    built, with a scale per output feature or, with `group`, per `group` weights along a row; and the
+    `QuantizedDraftLinear`s that read them. A weight shared by several modules (a fused group) is copied once."""
 
-    def __init__(self, layers: list[torch.nn.Module], dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    def __init__(self, layers: list[torch.nn.Module], dtype: torch.dtype, group: int | None = None) -> None:
+        self.dtype, self.group = dtype, group
         # id(weight): the weight, its copy, the copy's scales
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.swaps: list[tuple[torch.nn.Module, str, torch.nn.Module, QuantizedDraftLinear]] = []
-        for layer in layers:
-            for parent in layer.modules():
+        for index, layer in enumerate(layers):
+            for prefix, parent in layer.named_modules():
                 for name, module in parent.named_children():
                     source = _source(module)
                     if source is None:
                         continue
                     weight, bias, columns = source
+                    if group is not None and weight.shape[1] % group:
+                        path = f"{prefix}.{name}" if prefix else name
+                        raise ValueError(
+                            f"S3RConfig.draft_weights with a scale per {group} weights: decoder layer {index}'s "
+                            f"{path} has rows of {weight.shape[1]} weights, which groups of {group} do not divide"
+                        )
                     if id(weight) not in self.copies:
+                        scales = (weight.shape[0],) if group is None else (weight.shape[0], weight.shape[1] // group)
                         self.copies[id(weight)] = (
                             weight,
                             torch.empty(weight.shape, dtype=dtype, device=weight.device),
-                            torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device),
+                            torch.empty(scales, dtype=torch.float32, device=weight.device),
                         )
                     _, weight8, scale = self.copies[id(weight)]
                     wrapped = QuantizedDraftLinear(module, weight8, scale, bias, columns)
@@ -149,7 +162,7 @@ class DraftWeights:
         """Quantize the current weights into the copies, in place."""
         with torch.no_grad():
             for weight, weight8, scale in self.copies.values():
-                quantized, scales = quantize_rows(weight, self.dtype)
+                quantized, scales = quantize_rows(weight, self.dtype, self.group)
                 weight8.copy_(quantized)
                 scale.copy_(scales)
 

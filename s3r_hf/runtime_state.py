@@ -77,7 +77,7 @@ class ModelRuntime:
         self.graphs: DecodeGraphs | None = None
         self.fused: FusedProjections | None = None
         # by (compile_layers, which decides the modules a layer runs; the copies' dtype)
-        self.draft_weights: dict[tuple[bool, torch.dtype], DraftWeights] = {}
+        self.draft_weights: dict[tuple[bool, str], DraftWeights] = {}
         # by (draft_len, refresh_interval, adaptive_draft_lengths)
         self.policies: dict[tuple[int, int | None, tuple[int, ...] | None], AdaptiveDraftLength] = {}
         self.seed_calls: dict[int, int] = {}  # calls so far per fixed seed
@@ -227,9 +227,9 @@ class ModelRuntime:
             self._note_made()
         return self.fused
 
-    def quantized_draft_weights(self, key: tuple[bool, torch.dtype], make) -> DraftWeights:
-        """The kept 8-bit draft weights for `key` (layers compiled or not, the dtype), or `make()`'s where there are
-        none or they were built for modules the layers no longer hold."""
+    def quantized_draft_weights(self, key: tuple[bool, str], make) -> DraftWeights:
+        """The kept 8-bit draft weights for `key` (layers compiled or not, `S3RConfig.draft_weights`), or `make()`'s
+        where there are none or they were built for modules the layers no longer hold."""
         weights = self.draft_weights.get(key)
         if weights is None or not weights.matches():
             weights = self.draft_weights[key] = make()

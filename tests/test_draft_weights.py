@@ -16,6 +16,7 @@ import torch
 
 import s3r_hf
 from s3r_hf import S3RConfig, draft_weights
+from s3r_hf.config import DRAFT_WEIGHTS
 from s3r_hf.kernels.decode_linear_reference import quantize_rows
 from s3r_hf.model_forward import ModelForward
 from s3r_hf.runtime_state import runtime_for
@@ -55,9 +56,10 @@ def _counting(monkeypatch) -> list[tuple[bool, int]]:
     return forwards
 
 
+@pytest.mark.parametrize("weights", ["int8", "int8-g64"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("phase", [True, False], ids=["draft-phase", "host-driven-passes"])
-def test_greedy_equals_dense_and_only_drafts_read_the_copies(monkeypatch, family, phase):
+def test_greedy_equals_dense_and_only_drafts_read_the_copies(monkeypatch, family, phase, weights):
     model = s3r_hf.enable(tiny_model(family, seed=81).to(DEVICE))
     names = [name for name, _ in model.named_modules()]
     parameters = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -67,7 +69,7 @@ def test_greedy_equals_dense_and_only_drafts_read_the_copies(monkeypatch, family
     dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=24, **processors)
     forwards = _counting(monkeypatch) if DEVICE.type == "cpu" else None
     out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=24,
-                         s3r_config=S3RConfig(**CONFIG, draft_weights="int8"), **processors)
+                         s3r_config=S3RConfig(**CONFIG, draft_weights=weights), **processors)
     assert torch.equal(out, dense) and out.s3r_stats.drafted > 0
     if forwards is not None:  # seven linears in each of the model's layers, in every draft pass and nowhere else
         layers = model.config.num_hidden_layers
@@ -88,17 +90,21 @@ def test_the_drafts_differ_from_the_models_own():
     stats = {
         weights: model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=24,
                                 s3r_config=S3RConfig(**whole, draft_weights=weights)).s3r_stats
-        for weights in ("model", "int8")
+        for weights in ("model", "int8", "int8-g64")
     }
     assert stats["model"].accepted == stats["model"].drafted > 0
     assert stats["int8"].accepted < stats["int8"].drafted
+    # A scale per 64 weights confines the huge weight's scale to its own group of each down projection's row
+    # (128 weights, two groups): the other group keeps its weights, so more drafts are accepted than with one scale
+    assert stats["int8"].accepted < stats["int8-g64"].accepted
     s3r_hf.release(model)
 
 
-def test_the_copies_follow_the_models_weights_between_calls():
+@pytest.mark.parametrize("weights, group", [("int8", None), ("int8-g64", 64)])
+def test_the_copies_follow_the_models_weights_between_calls(weights, group):
     model = s3r_hf.enable(tiny_model("llama", seed=85).to(DEVICE))
     input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 21], seed=86))
-    config = S3RConfig(**CONFIG, draft_weights="int8")
+    config = S3RConfig(**CONFIG, draft_weights=weights)
     model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=16, s3r_config=config)
     (first,) = runtime_for(model).draft_weights.values()
     with torch.no_grad():  # an optimizer step, in place
@@ -110,10 +116,11 @@ def test_the_copies_follow_the_models_weights_between_calls():
     assert torch.equal(out, dense)
     (kept,) = runtime_for(model).draft_weights.values()
     assert kept is first  # kept from the first call (its pool fits the second), and requantized
-    q_proj = model.model.layers[0].self_attn.q_proj.weight
-    weight8, scale = kept.copies[id(q_proj)][1:]
-    expected8, expected_scale = quantize_rows(q_proj, torch.int8)
-    assert torch.equal(weight8, expected8) and torch.equal(scale, expected_scale)
+    for weight in (model.model.layers[0].self_attn.q_proj.weight, model.model.layers[1].mlp.down_proj.weight):
+        weight8, scale = kept.copies[id(weight)][1:]
+        expected8, expected_scale = quantize_rows(weight, torch.int8, group)
+        assert torch.equal(weight8, expected8) and torch.equal(scale, expected_scale)
+    assert kept.copies[id(weight)][2].shape == ((64,) if group is None else (64, 128 // group))
     s3r_hf.release(model)
 
 
@@ -136,11 +143,27 @@ def test_compiled_draft_passes_run_one_product_per_fused_group(monkeypatch):
 
 
 def test_bad_values_are_refused_by_name():
-    for value in ("fp4", "float8", 8):
-        with pytest.raises(ValueError, match="draft_weights must be"):
+    for value in ("fp4", "float8", 8, "int8-g32"):
+        with pytest.raises(ValueError, match="draft_weights must be one of"):
             S3RConfig(draft_weights=value)
     with pytest.raises(ValueError, match="fused_layers"):
         S3RConfig(draft_weights="int8", fused_layers=True)
+    assert set(DRAFT_WEIGHTS) == {"model", *draft_weights.FORMATS}
+
+
+def test_groups_that_do_not_divide_a_linear_are_refused_by_name():
+    """The tiny model's linears read 64 or 128 inputs: groups of 128 do not divide the 64-wide ones."""
+    model = s3r_hf.enable(tiny_model("llama", seed=91).to(DEVICE))
+    input_ids, attention_mask = (t.to(DEVICE) for t in left_padded_batch([9, 21], seed=92))
+    with pytest.raises(ValueError, match="per 128 weights: decoder layer 0's self_attn.q_proj has rows of 64"):
+        model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=8,
+                       s3r_config=S3RConfig(**CONFIG, draft_weights="int8-g128"))
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    dense = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=8)
+    out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=8,
+                         s3r_config=S3RConfig(**CONFIG, draft_weights="int8-g64"))
+    assert torch.equal(out, dense)
+    s3r_hf.release(model)
 
 
 def test_another_threads_forwards_during_a_draft_pass_read_the_models_weights(monkeypatch):

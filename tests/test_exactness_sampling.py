@@ -18,7 +18,8 @@ Fixed seeds make the outcome deterministic. Calibration (not run here): 12 seeds
 per-seed p-values spread over (0.01, 0.99) and pooled 60,000-sample p-values of 0.16-0.69, i.e. no bias
 visible at six times this test's sample size.
 
-Each test also runs with 8-bit draft weights (`S3RConfig.draft_weights`), which change only the proposals.
+Each test also runs with 8-bit draft weights (`S3RConfig.draft_weights`, a scale per output feature and per group),
+which change only the proposals.
 
 On a GPU machine, `S3R_HF_TEST_DEVICE=cuda python -m pytest tests/test_exactness_sampling.py` samples on CUDA
 with the Triton kernels, eagerly, with CUDA graphs (the graphed draft phase samples from pre-drawn noise), and
@@ -68,9 +69,11 @@ RUNTIMES = {
     "graphs+compile+tf32-drafts": {"cuda_graphs": True, "compile_layers": True, "draft_matmul_precision": "high"},
     # 8-bit copies of the layers' weights in the draft passes (`S3RConfig.draft_weights`): again the proposal changes
     "int8-drafts": {"draft_weights": "int8"},
+    "int8-g64-drafts": {"draft_weights": "int8-g64"},  # a scale per 64 weights along a row
     "graphs+compile+int8-drafts": {"cuda_graphs": True, "compile_layers": True, "draft_weights": "int8"},
+    "graphs+compile+int8-g64-drafts": {"cuda_graphs": True, "compile_layers": True, "draft_weights": "int8-g64"},
 }
-GRAPHS = list(RUNTIMES) if DEVICE.type == "cuda" else ["eager", "int8-drafts"]
+GRAPHS = list(RUNTIMES) if DEVICE.type == "cuda" else ["eager", "int8-drafts", "int8-g64-drafts"]
 
 CASES = {
     "t1.0": dict(temperature=1.0, top_k=None, top_p=None),

@@ -16,7 +16,7 @@ from s3r_hf.compiled_layers import compile_counters, compiled_decoder_layers, de
 from s3r_hf.config import S3RConfig
 from s3r_hf.draft_phase import DraftPhase
 from s3r_hf.draft_policy import DraftLengthPolicy, FixedDraftLength, adaptive_for
-from s3r_hf.draft_weights import DTYPES as DRAFT_WEIGHT_DTYPES
+from s3r_hf.draft_weights import FORMATS as DRAFT_WEIGHT_FORMATS
 from s3r_hf.draft_weights import DraftWeights
 from s3r_hf.engine.acceptance import acceptance_for
 from s3r_hf.engine.commit import Committer
@@ -138,9 +138,10 @@ class S3REngine:
     def _quantized_draft_weights(self) -> Iterator[None]:
         """The decoder layers' linears as `QuantizedDraftLinear`s (`S3RConfig.draft_weights`), over the modules they
         run now (with compiled layers, the fused projections)."""
-        dtype = DRAFT_WEIGHT_DTYPES[self.config.draft_weights]
+        dtype, group = DRAFT_WEIGHT_FORMATS[self.config.draft_weights]
         weights = self.runtime.quantized_draft_weights(
-            (self.config.compile_layers, dtype), lambda: DraftWeights(decoder_layers(self.model), dtype)
+            (self.config.compile_layers, self.config.draft_weights),
+            lambda: DraftWeights(decoder_layers(self.model), dtype, group),
         )
         with weights.installed():
             yield
