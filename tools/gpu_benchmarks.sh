@@ -96,9 +96,10 @@
 #   gemms        a layer's decode GEMMs at 64 and 448 rows: cuBLAS, cuBLASLt, inductor max-autotune and the split-K
 #                kernel against the weight floor (tools/decode_gemms.py; GEMM_ARGS replaces its arguments)
 #   draft-weights  int8 draft weights (S3RConfig.draft_weights) on the Qwen3-1.7B shape: the decode_linear kernel
-#                with bf16, int8 and float8 weights over its launch settings against cuBLAS at 64 rows, then engine AR
-#                and S3R with the model's and with int8 draft weights (B=64, S=8K, forced acceptance, --stages), then
-#                the CUDA tests of both (about 8 minutes; DW_BENCH_TIMEOUT, 300 s, bounds the bench)
+#                with bf16, int8 (a scale per row, per 64 and per 128 weights) and float8 weights over its launch
+#                settings against cuBLAS at 64 rows, then engine AR and S3R with the draft weights DW_FORMATS (default
+#                model,int8; B=64, S=8K, forced acceptance, --stages), then the CUDA tests of both (about
+#                8 minutes; DW_BENCH_TIMEOUT, 300 s, bounds the bench)
 #   kv-pressure  the paper's Table 2: long rollouts from short prompts on the Qwen3-1.7B shape (forced acceptance), the
 #                KV pool at half the peak need; engine AR, S3R with offload at fixed limits 128/160/256, S3R with AIMD,
 #                lockstep and mixed-stage steps (tools/kv_pressure.py; KVP_ARGS adds its options, KVP_TIMEOUT 540 s)
@@ -374,7 +375,8 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
     GEMM_TIMEOUT=${GEMM_TIMEOUT:-120} GEMM_ARGS="--shapes qwen3-1.7b --rows 64 --no-autotune --triton-sweep" bash "$0" gemms
     timeout ${DW_BENCH_TIMEOUT:-300} python3 -m s3r_hf.cli bench --model qwen3-1.7b --batch 64 --seq 8192 \
       --max-new-tokens 96 --acceptance ${QWEN_ACCEPT:-0.93} --skip-generate --cuda-graphs --compile-layers \
-      --draft-weights model,int8 --stages --json "$OUT/draft_weights.json" 2>&1 | tee "$OUT/draft_weights.log" \
+      --draft-weights ${DW_FORMATS:-model,int8} --stages --json "$OUT/draft_weights.json" 2>&1 \
+      | tee "$OUT/draft_weights.log" \
       | grep -v -i warn | tail -16
     TESTS="tests/test_decode_linear.py tests/test_draft_weights.py" bash "$0" tests
     ;;
