@@ -1,6 +1,6 @@
-"""tools/draft_weights_acceptance.py's emulated settings on CPU: the float8 rounding is the kernel's quantization,
-the grouped int8 rounding keeps each weight within half a step of its group's scale, and the draft phases of an
-emulated call see the rounded weights while every other forward, and the model after the call, sees its own."""
+"""tools/draft_weights_acceptance.py's emulated setting on CPU: the float8 rounding is the kernel's quantization, and
+the draft phases of an emulated call see the rounded weights while every other forward, and the model after the
+call, sees its own."""
 
 from __future__ import annotations
 
@@ -25,16 +25,12 @@ def tool():
     return module
 
 
-def test_emulated_roundings(tool):
+def test_emulated_rounding(tool):
     weight = torch.randn(8, 128, generator=torch.Generator().manual_seed(0))
     quantized, scale = quantize_rows(weight, FP8)
-    assert torch.equal(tool.rounded(weight, "float8-emulated", 64), quantized.float() * scale[:, None])
-    grouped = tool.rounded(weight, "int8-groups-emulated", 32)
-    step = weight.view(8, 4, 32).abs().amax(dim=2, keepdim=True) / 127
-    assert ((grouped - weight).view(8, 4, 32).abs() <= step / 2 * (1 + 1e-5)).all()
-    assert not torch.equal(grouped, weight)
-    with pytest.raises(SystemExit, match="does not divide"):
-        tool.rounded(weight, "int8-groups-emulated", 48)
+    assert torch.equal(tool.rounded(weight), quantized.float() * scale[:, None])
+    assert not torch.equal(tool.rounded(weight), weight)
+    assert set(tool.SETTINGS) == {"model", "int8", "int8-g64", "int8-g128", "float8-emulated"}
 
 
 def test_only_draft_phases_see_the_emulated_weights(tool):
@@ -51,11 +47,10 @@ def test_only_draft_phases_see_the_emulated_weights(tool):
     tool.draft_phase_module.DraftPhase.__call__ = recording
     try:
         input_ids, attention_mask = left_padded_batch([12, 9], vocab=model.config.vocab_size, seed=6)
-        with tool.emulated(model, "float8-emulated", 64):
+        with tool.emulated(model, "float8-emulated"):
             model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=8,
                            s3r_config=S3RConfig(adaptive=False, draft_len=3, min_budget=2, page_size=4))
     finally:
         tool.draft_phase_module.DraftPhase.__call__ = run
-    assert seen and all(torch.equal(w, tool.rounded(own["model.layers.0.self_attn.q_proj.weight"],
-                                                    "float8-emulated", 64)) for w in seen)
+    assert seen and all(torch.equal(w, tool.rounded(own["model.layers.0.self_attn.q_proj.weight"])) for w in seen)
     assert all(torch.equal(p, own[name]) for name, p in model.named_parameters())

@@ -1,10 +1,10 @@
 """How often drafts are accepted with 8-bit draft weights (`S3RConfig.draft_weights`), on a real model's text.
 
 One sampled S3R `generate` call (T=1, fixed draft length) per setting, over the same prompts and seed: the model's own
-weights, the offered int8 copies, and two roundings the option does not offer, emulated by rounding the decoder
-layers' weights in place around each draft phase: float8 (e4m3) with a scale per output feature, and int8 with a
-scale per group of `--group` weights along a row. Only the proposals change; the samples stay exact, so what moves
-is τ and the acceptance per draft position.
+weights, the offered int8 copies (a scale per output feature, per 64 and per 128 weights along a row), and a rounding
+the option does not offer, emulated by rounding the decoder layers' weights in place around each draft phase: float8
+(e4m3) with a scale per output feature. Only the proposals change; the samples stay exact, so what moves is τ and the
+acceptance per draft position.
 
     python tools/draft_weights_acceptance.py --data math_train.json --prompts 8 --generations 2 --max-new-tokens 384
 """
@@ -25,34 +25,28 @@ from s3r_hf import S3RConfig, enable  # noqa: E402
 from s3r_hf import draft_phase as draft_phase_module  # noqa: E402
 from s3r_hf.compiled_layers import decoder_layers  # noqa: E402
 from s3r_hf.demo import build_batch  # noqa: E402
+from s3r_hf.draft_weights import FORMATS  # noqa: E402
 from s3r_hf.kernels.decode_linear_reference import FP8, quantize_rows  # noqa: E402
 from s3r_hf.models import load_model_and_tokenizer  # noqa: E402
 from s3r_hf.rollout_bench import load_problems  # noqa: E402
 
-SETTINGS = ("model", "int8", "float8-emulated", "int8-groups-emulated")
+SETTINGS = ("model", *FORMATS, "float8-emulated")
 
 
-def rounded(weight: torch.Tensor, setting: str, group: int) -> torch.Tensor:
-    """`weight` as an emulated setting's draft passes see it: `quantize_rows` over its rows (float8), or over groups of
-    `group` weights of a row taken as rows of their own (int8 groups)."""
-    if setting == "float8-emulated":
-        rows, dtype = weight, FP8
-    elif weight.shape[1] % group:
-        raise SystemExit(f"--group {group} does not divide a row of {weight.shape[1]} weights")
-    else:
-        rows, dtype = weight.reshape(-1, group), torch.int8
-    quantized, scale = quantize_rows(rows, dtype)
-    return (quantized.float() * scale[:, None]).view(weight.shape).to(weight.dtype)
+def rounded(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` as the float8-emulated setting's draft passes see it: `quantize_rows` over its rows."""
+    quantized, scale = quantize_rows(weight, FP8)
+    return (quantized.float() * scale[:, None]).to(weight.dtype)
 
 
 @contextlib.contextmanager
-def emulated(model, setting: str, group: int):
+def emulated(model, setting: str):
     """Every draft phase runs with the decoder layers' linear weights rounded as `setting` rounds them."""
     if not setting.endswith("-emulated"):
         yield
         return
     linears = [m for layer in decoder_layers(model) for m in layer.modules() if type(m) is torch.nn.Linear]
-    copies = [rounded(m.weight.detach(), setting, group) for m in linears]
+    copies = [rounded(m.weight.detach()) for m in linears]
     run = draft_phase_module.DraftPhase.__call__
 
     def with_rounded_weights(self, *args, **kwargs):
@@ -82,7 +76,6 @@ def main() -> None:
     parser.add_argument("--draft-len", type=int, default=6)
     parser.add_argument("--min-budget", type=int, default=192)
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
-    parser.add_argument("--group", type=int, default=64, help="weights per scale of int8-groups-emulated")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
@@ -98,9 +91,9 @@ def main() -> None:
           f"draft_len {args.draft_len}, min_budget {args.min_budget}")
     for setting in settings:
         config = S3RConfig(draft_len=args.draft_len, adaptive=False, min_budget=args.min_budget, seed=args.seed,
-                           draft_weights="int8" if setting == "int8" else "model")
+                           draft_weights=setting if setting in FORMATS else "model")
         started = time.perf_counter()
-        with emulated(model, setting, args.group):
+        with emulated(model, setting):
             stats = model.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=True, temperature=1.0,
                                    top_k=0, top_p=1.0, pad_token_id=tokenizer.pad_token_id, s3r_config=config,
                                    return_dict_in_generate=True).s3r_stats
