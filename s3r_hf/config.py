@@ -12,10 +12,11 @@ import torch
 from s3r_hf.draft_policy import MAX_ADAPTIVE_REFRESH_INTERVAL
 
 MAX_DRAFT_LEN = 64
-# S3RConfig.draft_weights: the model's own, or 8-bit copies in a format of `draft_weights.FORMATS`
-DRAFT_WEIGHTS = ("model", "int8", "int8-g64", "int8-g128")
 """The largest `S3RConfig.draft_len`: verify blocks of up to 65 queries, which the attention kernels tile as
 decode-shaped segments (`kernels/triton_backend.PREFILL_QUERIES`)."""
+DRAFT_WEIGHTS = ("model", "int8", "int8-g64", "int8-g128")
+"""`S3RConfig.draft_weights`' values: the model's own weights, or 8-bit copies in a format of
+`draft_weights.FORMATS`."""
 
 
 @dataclass

@@ -2,10 +2,9 @@
 
 A draft pass at rollout batch sizes reads every layer's weights once for a few dozen rows, so its GEMMs cost their
 weights' bytes; int8 weights with a scale per output feature, or per group of 64 or 128 weights along a row, halve
-them. A draft is only a proposal: the verify
-forward runs the model's own weights and the acceptance test divides by the scores the drafts were sampled from, so
-samples stay exactly the dense model's. The rounding can only change how often drafts are accepted
-(docs/benchmarks.md measures it on real text).
+them. A draft is only a proposal: the verify forward runs the model's own weights and the acceptance test divides by
+the scores the drafts were sampled from, so samples stay exactly the dense model's. The rounding can only change how
+often drafts are accepted (docs/benchmarks.md measures it on real text).
 
 While an engine runs, each linear inside a decoder layer (after `compile_layers` fused its Q/K/V and gate/up
 projections: the fused GEMM's weights) is wrapped by a `QuantizedDraftLinear`, which runs the wrapped module in
