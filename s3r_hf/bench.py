@@ -127,15 +127,19 @@ def stage_floors_ms(
     views themselves; verify: the weights and every request's K/V (as a dense step); accept: the target and draft
     scores `[batch, draft_len + 1, vocab]` in fp32; refresh: the reduced scores `[layers, batch, Hkv, context]` in
     fp32, read once, and the new views written. Commit is host work and has none. With 8-bit draft weights
-    (`S3RConfig.draft_weights`) a draft pass reads the decoder layers' linears at one byte a weight."""
+    (`S3RConfig.draft_weights`) a draft pass reads the decoder layers' linears at one byte a weight, and their float32
+    scales."""
     weights = _weight_bytes(model)
     draft_weights = weights
     if config.draft_weights != "model":
         from s3r_hf.compiled_layers import decoder_layers
-        from s3r_hf.draft_weights import quantizable
+        from s3r_hf.draft_weights import FORMATS, quantizable
 
+        group = FORMATS[config.draft_weights][1]
         linears = [m.weight for layer in decoder_layers(model) for m in layer.modules() if quantizable(m)]
-        draft_weights -= sum(w.numel() * (w.element_size() - 1) for w in linears)
+        for w in linears:  # one byte a weight, and a 4-byte scale per row or per group
+            scales = w.shape[0] if group is None else w.numel() // group
+            draft_weights -= w.numel() * (w.element_size() - 1) - 4 * scales
     kv_per_token = page_bytes(model.config, 1, model.dtype)
     layers, kv_heads, _ = kv_shape(model.config)
     budget = config.budget(context)
@@ -427,8 +431,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated S3RConfig.refresh_interval values, 'auto' for None (the adaptive rule's "
                              "choice, every round without it); a sweep, rows 's r2' for 2")
     parser.add_argument("--draft-weights", default="model",
-                        help="comma-separated S3RConfig.draft_weights values (model, int8); a sweep, rows "
-                        "'s int8' for int8")
+                        help="comma-separated S3RConfig.draft_weights values (model, int8, int8-g64, int8-g128); a "
+                        "sweep, rows 's int8' for int8")
     parser.add_argument("--draft-len", type=int, default=6)
     parser.add_argument("--min-budget", type=positive_int, default=192)
     parser.add_argument("--prefill-chunk", type=positive_int, default=8192)

@@ -79,10 +79,12 @@ def test_stage_floors_count_the_bytes_each_stage_must_move():
         "accept": 2 * 4 * 4 * 512 * 4,
         "refresh": 4 * 2 * 2 * 100 * 4 + views,
     }
-    # 8-bit draft weights: the decoder layers' linears at one byte a weight in the draft passes, the rest as it is
-    linears = sum(m.weight.numel() for layer in model.model.layers for m in layer.modules()
-                  if isinstance(m, torch.nn.Linear))
-    int8 = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=8, draft_weights="int8")
-    floors8 = stage_floors_ms(model, batch=4, context=100, config=int8, bandwidth=1e3)
-    assert floors8["draft"] == floors["draft"] - 3 * linears * 3
-    assert {k: v for k, v in floors8.items() if k != "draft"} == {k: v for k, v in floors.items() if k != "draft"}
+    # 8-bit draft weights: the decoder layers' linears at one byte a weight in the draft passes, plus a float32 scale
+    # per output feature or per group of 64 weights; the rest as it is
+    linears = [m.weight for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    weights8 = sum(w.numel() for w in linears)
+    for draft_weights, scales in (("int8", sum(w.shape[0] for w in linears)), ("int8-g64", weights8 // 64)):
+        int8 = S3RConfig(draft_len=3, budget_ratio=0.1, min_budget=8, draft_weights=draft_weights)
+        floors8 = stage_floors_ms(model, batch=4, context=100, config=int8, bandwidth=1e3)
+        assert floors8["draft"] == floors["draft"] - 3 * (weights8 * 3 - 4 * scales)
+        assert {k: v for k, v in floors8.items() if k != "draft"} == {k: v for k, v in floors.items() if k != "draft"}
