@@ -26,7 +26,7 @@ from transformers.utils import logging
 
 from s3r_hf.bench_kernels import copy_bandwidth
 from s3r_hf.cache.s3r_cache import kv_shape, page_bytes
-from s3r_hf.config import S3RConfig
+from s3r_hf.config import DRAFT_WEIGHT_FORMATS, S3RConfig
 from s3r_hf.errors import UsageError
 from s3r_hf.generate import enable
 
@@ -133,9 +133,9 @@ def stage_floors_ms(
     draft_weights = weights
     if config.draft_weights != "model":
         from s3r_hf.compiled_layers import decoder_layers
-        from s3r_hf.draft_weights import FORMATS, quantizable
+        from s3r_hf.draft_weights import quantizable
 
-        group = FORMATS[config.draft_weights][1]
+        group = DRAFT_WEIGHT_FORMATS[config.draft_weights][1]
         linears = [m.weight for layer in decoder_layers(model) for m in layer.modules() if quantizable(m)]
         for w in linears:  # one byte a weight, and a 4-byte scale per row or per group
             scales = w.shape[0] if group is None else w.numel() // group

@@ -14,9 +14,17 @@ from s3r_hf.draft_policy import MAX_ADAPTIVE_REFRESH_INTERVAL
 MAX_DRAFT_LEN = 64
 """The largest `S3RConfig.draft_len`: verify blocks of up to 65 queries, which the attention kernels tile as
 decode-shaped segments (`kernels/triton_backend.PREFILL_QUERIES`)."""
-DRAFT_WEIGHTS = ("model", "int8", "int8-g64", "int8-g128")
-"""`S3RConfig.draft_weights`' values: the model's own weights, or 8-bit copies in a format of
-`draft_weights.FORMATS`."""
+DRAFT_WEIGHT_FORMATS: dict[str, tuple[torch.dtype, int | None]] = {
+    "int8": (torch.int8, None),
+    "int8-g64": (torch.int8, 64),
+    "int8-g128": (torch.int8, 128),
+}
+"""`S3RConfig.draft_weights`' 8-bit formats (`draft_weights.py`): the copies' dtype, and the weights along a row that
+share a scale (None: the whole row). Float8 (e4m3) copies, which the kernel also takes, round each weight to three
+mantissa bits: on SmolLM2's real text they lowered τ over three times as much as int8 copies of the same size
+(docs/benchmarks.md), so they are not offered."""
+DRAFT_WEIGHTS = ("model", *DRAFT_WEIGHT_FORMATS)
+"""`S3RConfig.draft_weights`' values: the model's own weights, or 8-bit copies in one of `DRAFT_WEIGHT_FORMATS`."""
 
 
 @dataclass

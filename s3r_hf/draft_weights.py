@@ -27,16 +27,6 @@ import torch
 from s3r_hf.fused_projections import FusedLinearSlice, swapped_modules
 from s3r_hf.kernels.decode_linear_reference import decode_linear_reference, quantize_rows
 
-# S3RConfig.draft_weights: the copies' dtype, and the weights along a row that share a scale (None: the whole row).
-# Float8 (e4m3) copies, which the kernel also takes, round each weight to three mantissa bits: on SmolLM2's real text
-# they lowered τ over three times as much as int8 copies of the same size (docs/benchmarks.md), so they are not
-# offered.
-FORMATS: dict[str, tuple[torch.dtype, int | None]] = {
-    "int8": (torch.int8, None),
-    "int8-g64": (torch.int8, 64),
-    "int8-g128": (torch.int8, 128),
-}
-
 # Read by `QuantizedDraftLinear.forward`: whether a draft pass runs (compiled layers guard on it), and in which thread.
 # Another thread's forward of the model during the pass (a dense `generate`) runs the model's own weights.
 _drafting = False

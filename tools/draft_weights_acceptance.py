@@ -24,13 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from s3r_hf import S3RConfig, enable  # noqa: E402
 from s3r_hf import draft_phase as draft_phase_module  # noqa: E402
 from s3r_hf.compiled_layers import decoder_layers  # noqa: E402
+from s3r_hf.config import DRAFT_WEIGHT_FORMATS  # noqa: E402
 from s3r_hf.demo import build_batch  # noqa: E402
-from s3r_hf.draft_weights import FORMATS  # noqa: E402
 from s3r_hf.kernels.decode_linear_reference import FP8, quantize_rows  # noqa: E402
 from s3r_hf.models import load_model_and_tokenizer  # noqa: E402
 from s3r_hf.rollout_bench import load_problems  # noqa: E402
 
-SETTINGS = ("model", *FORMATS, "float8-emulated")
+SETTINGS = ("model", *DRAFT_WEIGHT_FORMATS, "float8-emulated")
 
 
 def rounded(weight: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ def main() -> None:
           f"draft_len {args.draft_len}, min_budget {args.min_budget}")
     for setting in settings:
         config = S3RConfig(draft_len=args.draft_len, adaptive=False, min_budget=args.min_budget, seed=args.seed,
-                           draft_weights=setting if setting in FORMATS else "model")
+                           draft_weights=setting if setting in DRAFT_WEIGHT_FORMATS else "model")
         started = time.perf_counter()
         with emulated(model, setting):
             stats = model.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=True, temperature=1.0,

@@ -13,10 +13,9 @@ from transformers.utils import logging
 from s3r_hf.attention import s3r_attention
 from s3r_hf.cache.s3r_cache import S3RCache
 from s3r_hf.compiled_layers import compile_counters, compiled_decoder_layers, decoder_layers, fused_projections_for
-from s3r_hf.config import S3RConfig
+from s3r_hf.config import DRAFT_WEIGHT_FORMATS, S3RConfig
 from s3r_hf.draft_phase import DraftPhase
 from s3r_hf.draft_policy import DraftLengthPolicy, FixedDraftLength, adaptive_for
-from s3r_hf.draft_weights import FORMATS as DRAFT_WEIGHT_FORMATS
 from s3r_hf.draft_weights import DraftWeights
 from s3r_hf.engine.acceptance import acceptance_for
 from s3r_hf.engine.commit import Committer
