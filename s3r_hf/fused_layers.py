@@ -6,8 +6,9 @@ layer launches about eleven kernels besides the attention (docs/benchmarks.md, "
 
     norm_qkv_rope (+ K/V write) -> attention -> linear_residual (O) -> norm_gate_up_silu -> linear_residual (down)
 
-four launches and the attention's own (`s3r_hf.kernels.layer_triton`; `layer_reference` on CPU). Forwards of more
-than `FUSED_MAX_TOKENS` packed tokens (prefill chunks) run the layer's own forward, compiled where `compile_layers`
+four launches and the attention's own (`s3r_hf.kernels.layer_triton`; `layer_reference` on CPU); the last three are
+`mlp_block`, which `layer_triton.PERSISTENT_MLP` runs as one persistent launch. Forwards of more than
+`FUSED_MAX_TOKENS` packed tokens (prefill chunks) run the layer's own forward, compiled where `compile_layers`
 says so: at those sizes a tuned GEMM library beats these kernels and launches do not matter. (A float32 LM head runs
 on tensor cores in every engine forward, fused layers or not: `s3r_hf.lm_head`.)
 
@@ -143,11 +144,10 @@ def fused_forward(parts: LayerParts, ops: ModuleType, hidden_states: torch.Tenso
         attention, query, key, value, None, dropout=0.0, scaling=attention.scaling,
         **{k: v for k, v in kwargs.items() if k in ("s3r_step", "s3r_cache")},
     )
-    mixed = ops.linear_residual(attended.reshape(x.shape[0], -1), parts.o.weight, parts.o.bias, x)
-    activated = ops.norm_gate_up_silu(
-        mixed, parts.post_norm.weight, parts.post_norm.variance_epsilon, parts.gate.weight, parts.up.weight
-    )
-    return ops.linear_residual(activated, parts.down.weight, None, mixed)[None]
+    return ops.mlp_block(
+        attended.reshape(x.shape[0], -1), parts.o.weight, parts.o.bias, x, parts.post_norm.weight,
+        parts.post_norm.variance_epsilon, parts.gate.weight, parts.up.weight, parts.down.weight,
+    )[None]
 
 
 @contextlib.contextmanager

@@ -150,6 +150,51 @@ def test_linear_residual_matches_reference(dtype, bias, launch):
     assert torch.equal(layer_triton.linear_residual(x, weight, b if bias else None, residual), actual)
 
 
+# `(rows, attention width, hidden, intermediate)` of `mlp_block`: partial tiles everywhere, one and two 16-row blocks
+# and two 64-row blocks; on CUDA also SmolLM2's widths at a verify block's rows, where many programs wait on others.
+MLP_SHAPES = [(1, 80, 96, 72), (24, 80, 96, 72), (70, 64, 80, 104)] + (
+    [(448, 576, 576, 1536)] if DEVICE.type == "cuda" else []
+)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", MLP_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_mlp_block_matches_reference(dtype, shape, bias, persistent, monkeypatch):
+    """`mlp_block` as three launches and as one persistent launch (16-wide K blocks there: several per tile)."""
+    monkeypatch.setattr(layer_triton, "PERSISTENT_MLP", persistent)
+    if persistent:
+        monkeypatch.setattr(layer_triton, "LAUNCH_OVERRIDE", (16, 1, 4))
+    rows, width, hidden, inter = shape
+    generator = torch.Generator().manual_seed(4)
+    attended, o, o_bias, x, norm, gate, up, down = (
+        (torch.randn(*size, generator=generator) * scale).to(dtype).to(DEVICE)
+        for size, scale in (((rows, width), 1.0), ((hidden, width), width**-0.5), ((hidden,), 1.0),
+                            ((rows, hidden), 1.0), ((hidden,), 0.1), ((inter, hidden), hidden**-0.5),
+                            ((inter, hidden), hidden**-0.5), ((hidden, inter), inter**-0.5))
+    )
+    args = (attended, o, o_bias if bias else None, x, 1 + norm, 1e-5, gate, up, down)
+    actual = layer_triton.mlp_block(*args)
+    _close(actual, layer_reference.mlp_block(*args), dtype)
+    # The same bits in every launch, whichever program claims which tile; the counters are left at zero.
+    assert torch.equal(layer_triton.mlp_block(*args), actual)
+    assert not any(sync.any() for sync in layer_triton._mlp_sync.values()), "the launch left its counters set"
+
+
+def test_mlp_block_reference_is_the_three_steps():
+    generator = torch.Generator().manual_seed(5)
+    attended, o, x, norm, gate, up, down = (
+        torch.randn(*size, generator=generator)
+        for size in ((3, 8), (12, 8), (3, 12), (12,), (10, 12), (10, 12), (12, 10))
+    )
+    mixed = layer_reference.linear_residual(attended, o, None, x)
+    expected = layer_reference.linear_residual(
+        layer_reference.norm_gate_up_silu(mixed, norm, 1e-6, gate, up), down, None, mixed
+    )
+    assert torch.equal(layer_reference.mlp_block(attended, o, None, x, norm, 1e-6, gate, up, down), expected)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 30, 40, 130])
 def test_lm_head_matches_reference(dtype, rows):
@@ -365,7 +410,12 @@ def test_unfusable_models_are_refused_with_the_reason():
 # ---------------------------------------------------------------------------------------------- G-test
 PROMPT_LEN, NEW_TOKENS, VOCAB = 24, 4, 8
 S3R = dict(adaptive=False, draft_len=2, budget_ratio=0.05, min_budget=1, page_size=4, fused_layers=True)
-RUNTIMES = {"eager": {}, "graphs": {"cuda_graphs": True}} if DEVICE.type == "cuda" else {"eager": {}}
+# "+persistent-mlp": `mlp_block` as one persistent launch (`layer_triton.PERSISTENT_MLP`; the reference on CPU has one
+# path only).
+RUNTIMES = (
+    {"eager": {}, "graphs": {"cuda_graphs": True}, "graphs+persistent-mlp": {"cuda_graphs": True}}
+    if DEVICE.type == "cuda" else {"eager": {}}
+)
 
 
 @pytest.fixture(scope="module")
@@ -392,7 +442,8 @@ def _fused_samples(sampler, prompt, samples: int, mode: str, runtime: dict) -> t
 
 
 @pytest.mark.parametrize("runtime", list(RUNTIMES))
-def test_fused_s3r_samples_follow_the_exact_dense_distribution(enumerable, runtime, count_fused):
+def test_fused_s3r_samples_follow_the_exact_dense_distribution(enumerable, runtime, count_fused, monkeypatch):
+    monkeypatch.setattr(layer_triton, "PERSISTENT_MLP", runtime.endswith("+persistent-mlp"))
     sampler, prompt, probs = enumerable
     sequences = _fused_samples(sampler, prompt, 10_000, "s3r", RUNTIMES[runtime])
     assert count_fused
@@ -402,8 +453,9 @@ def test_fused_s3r_samples_follow_the_exact_dense_distribution(enumerable, runti
 
 
 @pytest.mark.parametrize("runtime", list(RUNTIMES))
-def test_fused_unverified_drafts_are_rejected(enumerable, runtime):
+def test_fused_unverified_drafts_are_rejected(enumerable, runtime, monkeypatch):
     """Power: the same test tells the fused sparse drafter's own samples from the dense law."""
+    monkeypatch.setattr(layer_triton, "PERSISTENT_MLP", runtime.endswith("+persistent-mlp"))
     sampler, prompt, probs = enumerable
     sequences = _fused_samples(sampler, prompt, 2_500, "unverified", RUNTIMES[runtime])
     counts = count_continuations(sequences, PROMPT_LEN, VOCAB, NEW_TOKENS)
@@ -411,11 +463,13 @@ def test_fused_unverified_drafts_are_rejected(enumerable, runtime):
     assert result["p_value"] < 1e-6, f"the test failed to reject unverified fused drafts: {result}"
 
 
-def test_fused_greedy_with_the_triton_kernels_equals_dense(monkeypatch):
+@pytest.mark.parametrize("persistent", [False, True])
+def test_fused_greedy_with_the_triton_kernels_equals_dense(persistent, monkeypatch):
     """The engine with the Triton layer and attention kernels (the interpreter on CPU), kept small: the interpreter
-    runs each program in Python."""
+    runs each program in Python. With `persistent`, `mlp_block` runs as one launch."""
+    monkeypatch.setattr(layer_triton, "PERSISTENT_MLP", persistent)
     calls = []
-    for name in ("norm_qkv_rope", "norm_gate_up_silu", "linear_residual"):
+    for name in ("norm_qkv_rope", "mlp_block"):
         real = getattr(layer_triton, name)
         monkeypatch.setattr(layer_triton, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     model = s3r_hf.enable(tiny_model("qwen3", seed=21, **FUSABLE).to(DEVICE))

@@ -4,11 +4,13 @@ attention over the whole context), replayed from one CUDA graph: what a forward 
 and sampling.
 
     python tools/decode_chain.py [--shape smollm2-135m] [--rows 16,32] [--seq 3072] [--layers 30]
-                                 [--dtype float32] [--tf32] [--budget 192] [--sparse-splits 1,4] [--json PATH]
+                                 [--dtype float32] [--tf32] [--budget 192] [--sparse-splits 1,4] [--persistent-mlp]
+                                 [--json PATH]
 
-Each layer is `norm_qkv_rope` (with its K/V write) -> attention -> `linear_residual` (O) -> `norm_gate_up_silu` ->
-`linear_residual` (down), with its own random weights and KV pool (`--seq` tokens of context per row, pages in a
-random order), so no layer reads another's bytes from L2. `--sparse-splits` times the sparse attention over several
+Each layer is `norm_qkv_rope` (with its K/V write) -> attention -> `mlp_block` (`linear_residual` (O) ->
+`norm_gate_up_silu` -> `linear_residual` (down); one persistent launch with `--persistent-mlp`), with its own random
+weights and KV pool (`--seq` tokens of context per row, pages in a random order), so no layer reads another's bytes
+from L2. `--sparse-splits` times the sparse attention over several
 key-split counts (the kernel's own choice is `None`). Two runs of a chain must give the same output bit for bit. The
 weight-read floor is the layers' weight bytes at the measured copy bandwidth; a dense step's also counts its K/V.
 """
@@ -84,9 +86,8 @@ class Chain:
                     query, keys, values, self.block_tables, self.cu, self.positions, scale, max_query_len=1,
                     max_context=self.max_context,
                 )
-            mixed = layer_triton.linear_residual(attended.reshape(self.rows, heads * dim), w["o"], None, x)
-            activated = layer_triton.norm_gate_up_silu(mixed, w["post_norm"], 1e-6, w["gate"], w["up"])
-            x = layer_triton.linear_residual(activated, w["down"], None, mixed)
+            x = layer_triton.mlp_block(attended.reshape(self.rows, heads * dim), w["o"], None, x, w["post_norm"],
+                                       1e-6, w["gate"], w["up"], w["down"])
         return x
 
     def weight_bytes(self) -> int:
@@ -115,15 +116,19 @@ def main() -> None:
                         help="key splits of the sparse attention to time (None: the kernel's choice)")
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--tf32", action="store_true", help="TF32 products, as in float32 draft passes")
+    parser.add_argument("--persistent-mlp", action="store_true",
+                        help="each layer's O projection, MLP and residuals as one launch (layer_triton.PERSISTENT_MLP)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    layer_triton.PERSISTENT_MLP = args.persistent_mlp
     if not torch.cuda.is_available():
         raise SystemExit("tools/decode_chain.py times CUDA kernels: it needs a GPU")
     bandwidth = copy_bandwidth()
     dtype = getattr(torch, args.dtype)
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.shape} x {args.layers} layers, {args.dtype}"
-          f"{' (TF32 products)' if args.tf32 else ''}, context {args.seq}")
+          f"{' (TF32 products)' if args.tf32 else ''}, context {args.seq}"
+          f"{', mlp_block as one persistent launch' if args.persistent_mlp else ''}")
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         chain = Chain(SHAPES[args.shape], args.layers, rows, args.seq, args.budget, dtype)

@@ -10,7 +10,8 @@ from a CUDA graph as the engine runs them:
   torch      the layer's ops as transformers runs them (bf16 `F.linear`, RMSNorm, rotary, SiLU * up, residuals),
              with Q/K/V and gate/up each one GEMM over concatenated weights, as the compiled layers run them
   compiled   the same under `torch.compile` (what `compile_layers` gives)
-  fused      the three kernels of `kernels/layer_triton.py` (four launches), and each kernel alone
+  fused      the three kernels of `kernels/layer_triton.py` (four launches), and each kernel alone; then with
+             `mlp_block` as one persistent launch (`layer_triton.PERSISTENT_MLP`: two launches)
 The attention is left out: its input is a fixed tensor. The fused output is compared with the reference
 (`kernels/layer_reference.py`); the floor is the layer's weight bytes at the measured copy bandwidth. `--sweep` also
 times the fused kernels at other tile settings (K block, pipeline stages, warps, 16-row blocks) with and without split K
@@ -66,9 +67,7 @@ def _weights(shape: dict, dtype: torch.dtype, generator: torch.Generator) -> dic
 def _fused_chain(ops, w: dict, shape: dict, x, attended, cos, sin):
     qkv = ops.norm_qkv_rope(x, w["input_norm"], 1e-6, w["q"], w["k"], w["v"], None, None, None, cos, sin,
                             shape["head_dim"], w["q_norm"], w["k_norm"], 1e-6)
-    mixed = ops.linear_residual(attended, w["o"], None, x)
-    activated = ops.norm_gate_up_silu(mixed, w["post_norm"], 1e-6, w["gate"], w["up"])
-    return qkv, ops.linear_residual(activated, w["down"], None, mixed)
+    return qkv, ops.mlp_block(attended, w["o"], None, x, w["post_norm"], 1e-6, w["gate"], w["up"], w["down"])
 
 
 def _torch_chain(w: dict, shape: dict, x, attended, cos, sin):
@@ -122,6 +121,18 @@ def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch
     compiled(*args)
     row["compiled_ms"] = _ms(lambda: compiled(*args))
     row["fused_ms"] = _ms(lambda: _fused_chain(layer_triton, *args))
+    # The same chain with `mlp_block` as one persistent launch, checked against the reference first.
+    layer_triton.PERSISTENT_MLP = True
+    try:
+        persistent = _fused_chain(layer_triton, *args)
+        row["persistent_max_abs_error"] = max(
+            (a.float() - b.float()).abs().max().item() for a, b in zip(persistent, reference)
+        )
+        row["fused_persistent_ms"] = _ms(lambda: _fused_chain(layer_triton, *args))
+        row["mlp_block_persistent_ms"] = _ms(lambda: layer_triton.mlp_block(
+            attended, w["o"], None, x, w["post_norm"], 1e-6, w["gate"], w["up"], w["down"]))
+    finally:
+        layer_triton.PERSISTENT_MLP = False
     mixed = layer_triton.linear_residual(attended, w["o"], None, x)
     activated = layer_triton.norm_gate_up_silu(mixed, w["post_norm"], 1e-6, w["gate"], w["up"])
     row["kernels_ms"] = {
@@ -199,7 +210,8 @@ def lm_head_rows(args: argparse.Namespace, bandwidth: float, dtype: torch.dtype)
 
 
 def layer_rows(args: argparse.Namespace, bandwidth: float, dtype: torch.dtype) -> list[dict]:
-    print(f"{'shape':14} {'rows':>5} {'floor':>7} {'torch':>7} {'compiled':>8} {'fused':>7}  per kernel (ms)")
+    print(f"{'shape':14} {'rows':>5} {'floor':>7} {'torch':>7} {'compiled':>8} {'fused':>7} {'persist':>7}  "
+          "per kernel (ms)")
     rows = []
     for name in args.shapes.split(","):
         for count in (int(r) for r in args.rows.split(",")):
@@ -207,7 +219,9 @@ def layer_rows(args: argparse.Namespace, bandwidth: float, dtype: torch.dtype) -
             rows.append(row)
             kernels = " ".join(f"{k}={v:.4f}" for k, v in row["kernels_ms"].items())
             print(f"{name:14} {count:5d} {row['floor_ms']:7.4f} {row['torch_ms']:7.4f} {row['compiled_ms']:8.4f} "
-                  f"{row['fused_ms']:7.4f}  {kernels}  err={row['max_abs_error']:.3g}", flush=True)
+                  f"{row['fused_ms']:7.4f} {row['fused_persistent_ms']:7.4f}  {kernels} "
+                  f"mlp_block_persistent={row['mlp_block_persistent_ms']:.4f}  err={row['max_abs_error']:.3g} "
+                  f"persistent err={row['persistent_max_abs_error']:.3g}", flush=True)
             for setting in sorted(row.get("sweep", []), key=lambda s: s.get("ms", 1e9))[:5]:
                 print("    sweep", setting, flush=True)
     return rows

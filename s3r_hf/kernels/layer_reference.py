@@ -112,6 +112,25 @@ def linear_residual(
     return out.to(residual.dtype)
 
 
+def mlp_block(
+    attended: torch.Tensor,
+    o_weight: torch.Tensor,
+    o_bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+) -> torch.Tensor:
+    """A layer's work after the attention: `linear_residual` (O), `norm_gate_up_silu`, `linear_residual` (down).
+    `attended` is `[M, heads * head_dim]` and the layer's input `residual` `[M, hidden]`; the result is the layer's
+    output `[M, hidden]`."""
+    mixed = linear_residual(attended, o_weight, o_bias, residual)
+    activated = norm_gate_up_silu(mixed, norm_weight, eps, gate_weight, up_weight)
+    return linear_residual(activated, down_weight, None, mixed)
+
+
 def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Logits `x @ weight.T` of rows `x` `[M, hidden]` with a bias-free LM head `weight` `[V, hidden]`: `[M, V]` in
     the input's dtype."""

@@ -152,36 +152,39 @@ def _sum_partials(partials_ptr, tile, index, TILES, NUM_ACC: tl.constexpr, SPLIT
 
 
 @triton.jit
-def _tile_squares(x_ptr, rows, row_ok, stride_xm, k0, K, BLOCK_K: tl.constexpr):
-    """Sum of squares over the row tile `[k0, k0 + BLOCK_K)` of each row of `x` (float32)."""
+def _tile_squares(x_ptr, rows, row_ok, stride_xm, k0, K, BLOCK_K: tl.constexpr, CACHE: tl.constexpr):
+    """Sum of squares over the row tile `[k0, k0 + BLOCK_K)` of each row of `x` (float32). `CACHE` is the loads'
+    cache modifier: ".cg" (L2 only) where other programs of the same launch wrote `x`."""
     ks = k0 + tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0,
+                cache_modifier=CACHE)
     x = x.to(tl.float32)
     return tl.sum(x * x, 1)
 
 
 @triton.jit
 def _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-              NORM_BLOCKS: tl.constexpr):
+              NORM_BLOCKS: tl.constexpr, CACHE: tl.constexpr):
     """1 / RMS of each row of `x` (float32), as `LlamaRMSNorm` computes it. Where `NORM_BLOCKS` is not 0 the pass
     over the row's `NORM_BLOCKS` tiles is unrolled, so their loads are issued together: one memory round trip before
     the K loop instead of one per tile (`_norm_blocks` says for which rows)."""
     squares = tl.zeros([BLOCK_M], tl.float32)
     if NORM_BLOCKS > 0:
         for block in tl.static_range(NORM_BLOCKS):
-            squares += _tile_squares(x_ptr, rows, row_ok, stride_xm, block * BLOCK_K, K, BLOCK_K)
+            squares += _tile_squares(x_ptr, rows, row_ok, stride_xm, block * BLOCK_K, K, BLOCK_K, CACHE)
     else:
         for k0 in range(0, K, BLOCK_K):
-            squares += _tile_squares(x_ptr, rows, row_ok, stride_xm, k0, K, BLOCK_K)
+            squares += _tile_squares(x_ptr, rows, row_ok, stride_xm, k0, K, BLOCK_K, CACHE)
     return 1.0 / tl.sqrt(squares / K + eps)
 
 
 @triton.jit
-def _normed_tile(x_ptr, norm_ptr, rows, row_ok, rstd, k0, stride_xm, K, BLOCK_K: tl.constexpr):
+def _normed_tile(x_ptr, norm_ptr, rows, row_ok, rstd, k0, stride_xm, K, BLOCK_K: tl.constexpr, CACHE: tl.constexpr):
     """`[BLOCK_M, BLOCK_K]` of the normalized rows in the model dtype, rounded where `LlamaRMSNorm` rounds."""
     ks = k0 + tl.arange(0, BLOCK_K)
     k_ok = ks < K
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                cache_modifier=CACHE)
     dtype = x.dtype
     weight = tl.load(norm_ptr + ks, mask=k_ok, other=0.0)
     normed = (x.to(tl.float32) * rstd[:, None]).to(dtype)
@@ -289,14 +292,14 @@ def _norm_qkv_rope_kernel(
             vw_ptr + (head - HQ - HKV) * 2 * HALF * K, vb_ptr + (head - HQ - HKV) * 2 * HALF, kn_ptr
         )
     head_eps = tl.where(head < HQ, q_head_eps, k_head_eps)  # the model's q_norm and k_norm each have their own
-    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, NORM_BLOCKS)
+    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, NORM_BLOCKS, "")
     inputs = _qkv_epilogue_inputs(rows, row_ok, dims, head, bias, head_norm, cos_ptr, sin_ptr, pool_rows_ptr,
                                   stride_cm, HQ, HKV, HALF, HAS_BIAS, HEAD_NORM, WRITE_KV)
     low = tl.zeros([BLOCK_M, HALF], tl.float32)  # the head's first half of dimensions
     high = tl.zeros([BLOCK_M, HALF], tl.float32)  # its second half: `rotate_half` pairs dimension i with i + HALF
     begin, end = _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K, SPLITS)
     for k0 in range(begin, end, BLOCK_K):
-        normed, ks, k_ok = _normed_tile(x_ptr, norm_ptr, rows, row_ok, rstd, k0, stride_xm, K, BLOCK_K)
+        normed, ks, k_ok = _normed_tile(x_ptr, norm_ptr, rows, row_ok, rstd, k0, stride_xm, K, BLOCK_K, "")
         w_low = tl.load(weight + dims[:, None] * K + ks[None, :], mask=k_ok[None, :], other=0.0)
         w_high = tl.load(weight + (dims + HALF)[:, None] * K + ks[None, :], mask=k_ok[None, :], other=0.0)
         low += tl.dot(normed, tl.trans(w_low), input_precision=PRECISION)
@@ -371,6 +374,30 @@ def norm_qkv_rope(
     return out
 
 
+@triton.jit
+def _gate_up_products(x_ptr, norm_ptr, gate_ptr, up_ptr, rows, cols, row_ok, col_ok, rstd, begin, end, stride_xm, K,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                      CACHE: tl.constexpr):
+    """`(gate, up)`: float32 products of the normalized rows' `[begin, end)` with the gate and up columns `cols`."""
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(begin, end, BLOCK_K):
+        normed, ks, k_ok = _normed_tile(x_ptr, norm_ptr, rows, row_ok, rstd, k0, stride_xm, K, BLOCK_K, CACHE)
+        mask = col_ok[:, None] & k_ok[None, :]
+        w_gate = tl.load(gate_ptr + cols[:, None] * K + ks[None, :], mask=mask, other=0.0)
+        w_up = tl.load(up_ptr + cols[:, None] * K + ks[None, :], mask=mask, other=0.0)
+        gate += tl.dot(normed, tl.trans(w_gate), input_precision=PRECISION)
+        up += tl.dot(normed, tl.trans(w_up), input_precision=PRECISION)
+    return gate, up
+
+
+@triton.jit
+def _store_silu_mul(gate, up, out_ptr, rows, cols, row_ok, col_ok, stride_om):
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["M", "BLOCKS_PER_SPLIT"])
 def _norm_gate_up_silu_kernel(
     x_ptr, norm_ptr, gate_ptr, up_ptr, out_ptr, partials_ptr, counts_ptr, M, K, N, BLOCKS_PER_SPLIT, stride_xm,
@@ -380,21 +407,12 @@ def _norm_gate_up_silu_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, NORM_BLOCKS)
-    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, K, eps, BLOCK_M, BLOCK_K, NORM_BLOCKS, "")
     begin, end = _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K, SPLITS)
-    for k0 in range(begin, end, BLOCK_K):
-        normed, ks, k_ok = _normed_tile(x_ptr, norm_ptr, rows, row_ok, rstd, k0, stride_xm, K, BLOCK_K)
-        mask = col_ok[:, None] & k_ok[None, :]
-        w_gate = tl.load(gate_ptr + cols[:, None] * K + ks[None, :], mask=mask, other=0.0)
-        w_up = tl.load(up_ptr + cols[:, None] * K + ks[None, :], mask=mask, other=0.0)
-        gate += tl.dot(normed, tl.trans(w_gate), input_precision=PRECISION)
-        up += tl.dot(normed, tl.trans(w_up), input_precision=PRECISION)
-    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
+    gate, up = _gate_up_products(x_ptr, norm_ptr, gate_ptr, up_ptr, rows, cols, row_ok, col_ok, rstd, begin, end,
+                                 stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, "")
     if SPLITS == 1:
-        tl.store(out, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=mask)
+        _store_silu_mul(gate, up, out_ptr, rows, cols, row_ok, col_ok, stride_om)
     else:
         tiles, tile = _output_tile()
         _store_partial(gate, partials_ptr, tile, 0, tiles, 2, BLOCK_M, BLOCK_N)
@@ -403,7 +421,7 @@ def _norm_gate_up_silu_kernel(
             gate = _sum_partials(partials_ptr, tile, 0, tiles, 2, SPLITS, BLOCK_M, BLOCK_N)
             up = _sum_partials(partials_ptr, tile, 1, tiles, 2, SPLITS, BLOCK_M, BLOCK_N)
             tl.store(counts_ptr + tile, 0)
-            tl.store(out, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=mask)
+            _store_silu_mul(gate, up, out_ptr, rows, cols, row_ok, col_ok, stride_om)
 
 
 class _Tiles(NamedTuple):
@@ -460,6 +478,34 @@ def _residual_epilogue(acc, residual, bias, out_ptr, rows, cols, row_ok, col_ok,
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _linear_products(x_ptr, w_ptr, rows, cols, row_ok, col_ok, begin, end, stride_xm, K, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, CACHE: tl.constexpr):
+    """Float32 products of rows `x[:, begin:end]` with the weight's columns `cols`."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(begin, end, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0, cache_modifier=CACHE)
+        w = tl.load(w_ptr + cols[:, None] * K + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _residual_epilogue_inputs(res_ptr, b_ptr, rows, cols, row_ok, col_ok, stride_rm, BLOCK_N: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, CACHE: tl.constexpr):
+    """The epilogue's residual and bias, loaded before the K loop so that their round trip overlaps it."""
+    residual = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                       other=0.0, cache_modifier=CACHE)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
+    else:
+        bias = tl.zeros([BLOCK_N], tl.float32)
+    return residual, bias
+
+
 @triton.jit(do_not_specialize=["M", "BLOCKS_PER_SPLIT"])
 def _linear_residual_kernel(
     x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, partials_ptr, counts_ptr, M, K, N, BLOCKS_PER_SPLIT, stride_xm, stride_rm,
@@ -469,22 +515,11 @@ def _linear_residual_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    # The epilogue's residual and bias, loaded before the K loop so that their round trip overlaps it.
-    residual = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                       other=0.0)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
-    else:
-        bias = tl.zeros([BLOCK_N], tl.float32)
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    residual, bias = _residual_epilogue_inputs(res_ptr, b_ptr, rows, cols, row_ok, col_ok, stride_rm, BLOCK_N,
+                                               HAS_BIAS, "")
     begin, end = _k_range(K, BLOCKS_PER_SPLIT, BLOCK_K, SPLITS)
-    for k0 in range(begin, end, BLOCK_K):
-        k_ok = (k0 + ks) < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * K + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    acc = _linear_products(x_ptr, w_ptr, rows, cols, row_ok, col_ok, begin, end, stride_xm, K, BLOCK_M, BLOCK_N,
+                           BLOCK_K, PRECISION, "")
     epilogue_args = (residual, bias, out_ptr, rows, cols, row_ok, col_ok, stride_om, HAS_BIAS)
     if SPLITS == 1:
         _residual_epilogue(acc, *epilogue_args)
@@ -514,6 +549,144 @@ def linear_residual(
         columns, t.blocks_per_split, x.stride(0), residual.stride(0), out.stride(0),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLITS=t.splits, HAS_BIAS=bias is not None,
         PRECISION=_dot_precision(x.dtype), num_warps=t.warps, num_stages=t.stages,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------- one MLP launch
+# `mlp_block` runs the O projection + residual, norm + gate/up + SiLU·mul and down projection + residual (three
+# launches above) as one persistent launch. Its programs claim output tiles in one order from an atomic counter, the
+# O projection's first, then gate/up's, then down's, and a tile waits only for the tiles it reads: a gate/up tile for
+# every O tile of its row block (its norm reads whole rows), a down tile for every gate/up tile of its row block. A
+# program waits only on tiles claimed before its own, by programs already running, so the launch cannot deadlock, and
+# no grid-wide barrier is needed. Under `TRITON_INTERPRET=1`, which runs programs one after another, the first program
+# claims and runs every tile in order and the others find none left. `PERSISTENT_MLP` chooses it (off: the three
+# launches; it is not yet timed against them, docs/benchmarks.md).
+PERSISTENT_MLP = False
+MLP_BLOCK_N = 32  # columns per tile: at decode row counts even 32 leaves few tiles per phase
+_MLP_SYNC_WORDS = 256  # the claim counter, the exit counter and two arrival counts per row block
+_mlp_sync: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _await_count(count_ptr, target):
+    """Spin until the count at `count_ptr` reaches `target`; what the counted tiles wrote is then visible."""
+    while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < target:
+        pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def _signal_tile(count_ptr):
+    """Count a finished tile, after every thread of the program has stored its part."""
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mlp_block_kernel(
+    attn_ptr, o_ptr, o_bias_ptr, x_ptr, norm_ptr, gate_ptr, up_ptr, down_ptr, mixed_ptr, act_ptr, out_ptr, sync_ptr,
+    M, ATTN, HIDDEN, INTER, stride_am, stride_xm, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NORM_BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    SYNC_WORDS: tl.constexpr,
+):
+    # sync_ptr: [0] tiles claimed, [1] programs done, [2 + r] O tiles done of row block r, [2 + R + r] gate/up tiles.
+    row_blocks = tl.cdiv(M, BLOCK_M)
+    hidden_tiles = tl.cdiv(HIDDEN, BLOCK_N)
+    inter_tiles = tl.cdiv(INTER, BLOCK_N)
+    o_end = row_blocks * hidden_tiles
+    gate_up_end = o_end + row_blocks * inter_tiles
+    tiles = gate_up_end + row_blocks * hidden_tiles
+    o_done, gate_up_done = sync_ptr + 2, sync_ptr + 2 + row_blocks
+    tile = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+    while tile < tiles:
+        if tile < o_end:  # mixed = x + attended @ o.T (+ bias)
+            block, column = tile // hidden_tiles, tile % hidden_tiles
+            rows, cols = block * BLOCK_M + tl.arange(0, BLOCK_M), column * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_ok, col_ok = rows < M, cols < HIDDEN
+            residual, bias = _residual_epilogue_inputs(x_ptr, o_bias_ptr, rows, cols, row_ok, col_ok, stride_xm,
+                                                       BLOCK_N, HAS_BIAS, "")
+            acc = _linear_products(attn_ptr, o_ptr, rows, cols, row_ok, col_ok, 0, ATTN, stride_am, ATTN, BLOCK_M,
+                                   BLOCK_N, BLOCK_K, PRECISION, "")
+            _residual_epilogue(acc, residual, bias, mixed_ptr, rows, cols, row_ok, col_ok, HIDDEN, HAS_BIAS)
+            _signal_tile(o_done + block)
+        elif tile < gate_up_end:  # activated = SiLU(gate(norm(mixed))) * up(norm(mixed))
+            block, column = (tile - o_end) // inter_tiles, (tile - o_end) % inter_tiles
+            rows, cols = block * BLOCK_M + tl.arange(0, BLOCK_M), column * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_ok, col_ok = rows < M, cols < INTER
+            _await_count(o_done + block, hidden_tiles)
+            # ".cg": other programs wrote `mixed` in this launch, so its lines are read from L2, never from L1.
+            rstd = _row_rstd(mixed_ptr, rows, row_ok, HIDDEN, HIDDEN, eps, BLOCK_M, BLOCK_K, NORM_BLOCKS, ".cg")
+            gate, up = _gate_up_products(mixed_ptr, norm_ptr, gate_ptr, up_ptr, rows, cols, row_ok, col_ok, rstd, 0,
+                                         HIDDEN, HIDDEN, HIDDEN, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, ".cg")
+            _store_silu_mul(gate, up, act_ptr, rows, cols, row_ok, col_ok, INTER)
+            _signal_tile(gate_up_done + block)
+        else:  # out = mixed + activated @ down.T
+            block, column = (tile - gate_up_end) // hidden_tiles, (tile - gate_up_end) % hidden_tiles
+            rows, cols = block * BLOCK_M + tl.arange(0, BLOCK_M), column * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_ok, col_ok = rows < M, cols < HIDDEN
+            _await_count(gate_up_done + block, inter_tiles)
+            residual, bias = _residual_epilogue_inputs(mixed_ptr, o_bias_ptr, rows, cols, row_ok, col_ok, HIDDEN,
+                                                       BLOCK_N, False, ".cg")
+            acc = _linear_products(act_ptr, down_ptr, rows, cols, row_ok, col_ok, 0, INTER, INTER, INTER, BLOCK_M,
+                                   BLOCK_N, BLOCK_K, PRECISION, ".cg")
+            _residual_epilogue(acc, residual, bias, out_ptr, rows, cols, row_ok, col_ok, HIDDEN, False)
+        tile = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+    # Every program claims once past the end and then leaves; the last to leave (no claim or count is touched after
+    # it) zeroes the counters for the next launch, so one buffer serves every launch, CUDA-graph replays included.
+    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        words = tl.arange(0, SYNC_WORDS)
+        tl.store(sync_ptr + words, tl.zeros([SYNC_WORDS], tl.int32), mask=words < 2 + 2 * row_blocks)
+
+
+def _mlp_sync_buffer(device: torch.device, row_blocks: int) -> torch.Tensor:
+    """The launch's zeroed counters, one buffer per device (created on first use, outside any capture, as
+    `_split_buffers`'s)."""
+    if 2 + 2 * row_blocks > _MLP_SYNC_WORDS:
+        raise ValueError(f"mlp_block over {row_blocks} row blocks; its counters hold {(_MLP_SYNC_WORDS - 2) // 2}")
+    if device not in _mlp_sync:
+        _mlp_sync[device] = torch.zeros(_MLP_SYNC_WORDS, dtype=torch.int32, device=device)
+    return _mlp_sync[device]
+
+
+def mlp_block(
+    attended: torch.Tensor,
+    o_weight: torch.Tensor,
+    o_bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+) -> torch.Tensor:
+    """Triton version of `layer_reference.mlp_block` (same arguments and result): the three launches of
+    `linear_residual`, `norm_gate_up_silu` and `linear_residual`, or one persistent launch where `PERSISTENT_MLP`
+    says so."""
+    if not PERSISTENT_MLP:
+        mixed = linear_residual(attended, o_weight, o_bias, residual)
+        activated = norm_gate_up_silu(mixed, norm_weight, eps, gate_weight, up_weight)
+        return linear_residual(activated, down_weight, None, mixed)
+    rows, hidden = residual.shape
+    inter = gate_weight.shape[0]
+    mixed = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    out = torch.empty_like(mixed)
+    if rows == 0:
+        return out
+    activated = torch.empty(rows, inter, dtype=residual.dtype, device=residual.device)
+    attended, residual = attended.contiguous(), residual.contiguous()
+    block_m = _block_m(rows)
+    block_k, stages, warps = _launch(rows, residual.dtype)
+    row_blocks = triton.cdiv(rows, block_m)
+    sync = _mlp_sync_buffer(residual.device, row_blocks)
+    tiles = row_blocks * (2 * triton.cdiv(hidden, MLP_BLOCK_N) + triton.cdiv(inter, MLP_BLOCK_N))
+    _mlp_block_kernel[(min(tiles, _sm_count(residual.device)),)](
+        attended, o_weight.contiguous(), o_bias if o_bias is not None else o_weight, residual, norm_weight,
+        gate_weight.contiguous(), up_weight.contiguous(), down_weight.contiguous(), mixed, activated, out, sync, rows,
+        attended.shape[1], hidden, inter, attended.stride(0), residual.stride(0), eps,
+        BLOCK_M=block_m, BLOCK_N=MLP_BLOCK_N, BLOCK_K=block_k, NORM_BLOCKS=_norm_blocks(hidden, block_k),
+        HAS_BIAS=o_bias is not None, PRECISION=_dot_precision(residual.dtype), SYNC_WORDS=_MLP_SYNC_WORDS,
+        num_warps=warps, num_stages=stages,
     )
     return out
 
@@ -571,7 +744,8 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-KERNELS = (_norm_qkv_rope_kernel, _norm_gate_up_silu_kernel, _linear_residual_kernel, _lm_head_kernel)
+KERNELS = (_norm_qkv_rope_kernel, _norm_gate_up_silu_kernel, _linear_residual_kernel, _mlp_block_kernel,
+           _lm_head_kernel)
 
 
 def layer_variant_keys() -> set[tuple[str, str]]:
