@@ -100,6 +100,10 @@
 #                settings against cuBLAS at 64 rows, then engine AR and S3R with the draft weights DW_FORMATS (default
 #                model,int8; B=64, S=8K, forced acceptance, --stages), then the CUDA tests of both (about
 #                8 minutes; DW_BENCH_TIMEOUT, 300 s, bounds the bench)
+#   persistent-mlp  a fused layer's O projection, MLP and residuals as one persistent launch (layer_triton.mlp_block
+#                with PERSISTENT_MLP): the CUDA tests of the fused layers first (its kernel test at 448 rows, greedy
+#                identity, the G-test with it), then tools/layer_kernels.py at PMLP_ROWS (16,64,448; PMLP_ARGS adds
+#                options, e.g. --sweep), then a 30-layer chain with and without it (about 6 minutes)
 #   kv-pressure  the paper's Table 2: long rollouts from short prompts on the Qwen3-1.7B shape (forced acceptance), the
 #                KV pool at half the peak need; engine AR, S3R with offload at fixed limits 128/160/256, S3R with AIMD,
 #                lockstep and mixed-stage steps (tools/kv_pressure.py; KVP_ARGS adds its options, KVP_TIMEOUT 540 s)
@@ -379,6 +383,17 @@ print(sys.argv[1], 'is the pinned SmolLM2 GGUF' if sha256_file(sys.argv[1]) == p
       | tee "$OUT/draft_weights.log" \
       | grep -v -i warn | tail -16
     TESTS="tests/test_decode_linear.py tests/test_draft_weights.py" bash "$0" tests
+    ;;
+  persistent-mlp)
+    S3R_HF_TEST_DEVICE=cuda timeout 200 python3 -m pytest -p no:warnings -p no:cacheprovider -q tests/test_fused_layers.py \
+      2>&1 | tee "$OUT/persistent_mlp_tests.log" | tail -8
+    # shellcheck disable=SC2086  # PMLP_ARGS is a list of options
+    timeout ${PMLP_TIMEOUT:-240} python3 tools/layer_kernels.py --rows ${PMLP_ROWS:-16,64,448} ${PMLP_ARGS:-} \
+      --json "$OUT/persistent_mlp.json" 2>&1 | grep -v -i warn | tee "$OUT/persistent_mlp.log" | tail -30
+    for flag in "" --persistent-mlp; do
+      timeout 60 python3 tools/decode_chain.py --rows 16,64 --dtype bfloat16 $flag \
+        --json "$OUT/persistent_mlp_chain${flag:+_on}.json" 2>&1 | grep -v -i warn | tee -a "$OUT/persistent_mlp_chain.log" | tail -6
+    done
     ;;
   view-refresh)
     # shellcheck disable=SC2086  # VIEW_ARGS is a list of options

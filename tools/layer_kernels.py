@@ -15,7 +15,7 @@ from a CUDA graph as the engine runs them:
 The attention is left out: its input is a fixed tensor. The fused output is compared with the reference
 (`kernels/layer_reference.py`); the floor is the layer's weight bytes at the measured copy bandwidth. `--sweep` also
 times the fused kernels at other tile settings (K block, pipeline stages, warps, 16-row blocks) with and without split K
-ranges.
+ranges, and `mlp_block`'s persistent launch alone at other K blocks, warps, norm passes and tile widths.
 
 With `--lm-head` it times the LM head instead: cuBLAS (`F.linear`) against `layer_triton.lm_head` (what a float32
 model's LM head runs with `fused_layers`), both against float64 products; `--sweep` then times the LM head's tiles.
@@ -41,6 +41,15 @@ SWEEP = [  # layer_triton's LAUNCH_OVERRIDE (K block, stages, warps), MAX_SPLITS
     dict(LAUNCH_OVERRIDE=launch, MAX_SPLITS=splits, BLOCK_M_OVERRIDE=block_m)
     for launch, splits, block_m in itertools.product(
         ((64, 3, 4), (64, 3, 8), (128, 3, 4), (128, 3, 8), (128, 2, 8)), (1, 8), (None, 16)
+    )
+]
+
+# `mlp_block`'s persistent launch under `--sweep`: layer_triton's LAUNCH_OVERRIDE, UNROLLED_NORM_MAX (0: the norm's
+# pass as a loop, fewer registers) and MLP_BLOCK_N.
+PERSISTENT_SWEEP = [
+    dict(LAUNCH_OVERRIDE=launch, UNROLLED_NORM_MAX=norm_max, MLP_BLOCK_N=block_n)
+    for launch, norm_max, block_n in itertools.product(
+        (None, (64, 3, 4), (64, 3, 8), (128, 3, 4)), (layer_triton.UNROLLED_NORM_MAX, 0), (32, 64)
     )
 ]
 
@@ -131,6 +140,8 @@ def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch
         row["fused_persistent_ms"] = _ms(lambda: _fused_chain(layer_triton, *args))
         row["mlp_block_persistent_ms"] = _ms(lambda: layer_triton.mlp_block(
             attended, w["o"], None, x, w["post_norm"], 1e-6, w["gate"], w["up"], w["down"]))
+        if sweep:
+            row["persistent_sweep"] = _sweep_persistent(w, x, attended, reference[1])
     finally:
         layer_triton.PERSISTENT_MLP = False
     mixed = layer_triton.linear_residual(attended, w["o"], None, x)
@@ -160,6 +171,27 @@ def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch
         for key, value in chosen.items():
             setattr(layer_triton, key, value)
     return row
+
+
+def _sweep_persistent(w: dict, x: torch.Tensor, attended: torch.Tensor, expected: torch.Tensor) -> list[dict]:
+    """`mlp_block`'s persistent launch alone at each of `PERSISTENT_SWEEP`'s settings, checked against `expected`."""
+    results = []
+    chosen = {key: getattr(layer_triton, key) for key in PERSISTENT_SWEEP[0]}
+
+    def block():
+        return layer_triton.mlp_block(attended, w["o"], None, x, w["post_norm"], 1e-6, w["gate"], w["up"], w["down"])
+
+    for setting in PERSISTENT_SWEEP:
+        for key, value in setting.items():
+            setattr(layer_triton, key, value)
+        try:
+            error = (block().float() - expected.float()).abs().max().item()
+            results.append({**setting, "ms": _ms(block), "max_abs_error": error})
+        except Exception as error:  # a setting that does not fit the shared memory
+            results.append({**setting, "error": str(error).splitlines()[0][:120]})
+    for key, value in chosen.items():
+        setattr(layer_triton, key, value)
+    return results
 
 
 VOCAB = {"smollm2-135m": 49152, "qwen3-1.7b": 151936}
@@ -224,6 +256,8 @@ def layer_rows(args: argparse.Namespace, bandwidth: float, dtype: torch.dtype) -
                   f"persistent err={row['persistent_max_abs_error']:.3g}", flush=True)
             for setting in sorted(row.get("sweep", []), key=lambda s: s.get("ms", 1e9))[:5]:
                 print("    sweep", setting, flush=True)
+            for setting in sorted(row.get("persistent_sweep", []), key=lambda s: s.get("ms", 1e9))[:5]:
+                print("    persistent sweep", setting, flush=True)
     return rows
 
 
