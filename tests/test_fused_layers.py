@@ -179,7 +179,7 @@ def test_mlp_block_matches_reference(dtype, shape, bias, persistent, monkeypatch
     _close(actual, layer_reference.mlp_block(*args), dtype)
     # The same bits in every launch, whichever program claims which tile; the counters are left at zero.
     assert torch.equal(layer_triton.mlp_block(*args), actual)
-    assert not any(sync.any() for sync in layer_triton._mlp_sync.values()), "the launch left its counters set"
+    assert not any(counts.any() for counts in layer_triton._arrival_counts.values()), "the launch left its counters set"
 
 
 def test_mlp_block_reference_is_the_three_steps():

@@ -101,14 +101,20 @@ def _splits(device: torch.device, programs: int, k_blocks: int) -> tuple[int, in
     return triton.cdiv(k_blocks, share), share  # as many splits as the shares fill: none left empty
 
 
-def _split_buffers(device: torch.device, splits: int, tiles: int, tile_elements: int):
-    """`(partials, arrival counts)` of a split launch: a float32 workspace for every program's partial sums, and one
-    arrival count per output tile. The counts start at zero and the last program of each tile resets its count, so
-    one zeroed buffer per device serves every launch, CUDA-graph replays included (launches on one stream run one
-    after another). It is created on first use, which is outside any capture: `capture_graph` runs a warm-up first."""
+def _zeroed_counts(device: torch.device) -> torch.Tensor:
+    """The device's int32 counts that the layer kernels synchronize their programs with. Every launch leaves the counts
+    it used at zero (the last program to use each resets it), so one buffer per device serves every launch, CUDA-graph
+    replays included (launches on one stream run one after another). It is created on first use, which is outside any
+    capture: `capture_graph` runs a warm-up first."""
     if device not in _arrival_counts:
         _arrival_counts[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-    counts = _arrival_counts[device]
+    return _arrival_counts[device]
+
+
+def _split_buffers(device: torch.device, splits: int, tiles: int, tile_elements: int):
+    """`(partials, arrival counts)` of a split launch: a float32 workspace for every program's partial sums, and one
+    arrival count per output tile (`_zeroed_counts`; the last program of each tile resets its count)."""
+    counts = _zeroed_counts(device)
     if splits == 1:  # the kernel reads neither: any float32 pointer will do, nothing is allocated
         return counts.view(torch.float32), counts
     if tiles > _MAX_TILES:  # a split launch has fewer programs than SMs, so far fewer tiles than this
@@ -564,8 +570,7 @@ def linear_residual(
 # launches; it is not yet timed against them, docs/benchmarks.md).
 PERSISTENT_MLP = False
 MLP_BLOCK_N = 32  # columns per tile: at decode row counts even 32 leaves few tiles per phase
-_MLP_SYNC_WORDS = 256  # the claim counter, the exit counter and two arrival counts per row block
-_mlp_sync: dict[torch.device, torch.Tensor] = {}
+_MLP_SYNC_WORDS = 256  # most counts a launch uses: the claim counter, the exit counter and two per row block
 
 
 @triton.jit
@@ -581,6 +586,15 @@ def _signal_tile(count_ptr):
     """Count a finished tile, after every thread of the program has stored its part."""
     tl.debug_barrier()
     tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _tile_coordinates(index, tiles_per_block, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`(row block, rows, columns, row mask, column mask)` of a phase's output tile `index`, column tiles of a row
+    block numbered together."""
+    block, column = index // tiles_per_block, index % tiles_per_block
+    rows, cols = block * BLOCK_M + tl.arange(0, BLOCK_M), column * BLOCK_N + tl.arange(0, BLOCK_N)
+    return block, rows, cols, rows < M, cols < N
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -601,9 +615,7 @@ def _mlp_block_kernel(
     tile = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
     while tile < tiles:
         if tile < o_end:  # mixed = x + attended @ o.T (+ bias)
-            block, column = tile // hidden_tiles, tile % hidden_tiles
-            rows, cols = block * BLOCK_M + tl.arange(0, BLOCK_M), column * BLOCK_N + tl.arange(0, BLOCK_N)
-            row_ok, col_ok = rows < M, cols < HIDDEN
+            block, rows, cols, row_ok, col_ok = _tile_coordinates(tile, hidden_tiles, M, HIDDEN, BLOCK_M, BLOCK_N)
             residual, bias = _residual_epilogue_inputs(x_ptr, o_bias_ptr, rows, cols, row_ok, col_ok, stride_xm,
                                                        BLOCK_N, HAS_BIAS, "")
             acc = _linear_products(attn_ptr, o_ptr, rows, cols, row_ok, col_ok, 0, ATTN, stride_am, ATTN, BLOCK_M,
@@ -611,9 +623,8 @@ def _mlp_block_kernel(
             _residual_epilogue(acc, residual, bias, mixed_ptr, rows, cols, row_ok, col_ok, HIDDEN, HAS_BIAS)
             _signal_tile(o_done + block)
         elif tile < gate_up_end:  # activated = SiLU(gate(norm(mixed))) * up(norm(mixed))
-            block, column = (tile - o_end) // inter_tiles, (tile - o_end) % inter_tiles
-            rows, cols = block * BLOCK_M + tl.arange(0, BLOCK_M), column * BLOCK_N + tl.arange(0, BLOCK_N)
-            row_ok, col_ok = rows < M, cols < INTER
+            block, rows, cols, row_ok, col_ok = _tile_coordinates(tile - o_end, inter_tiles, M, INTER, BLOCK_M,
+                                                                  BLOCK_N)
             _await_count(o_done + block, hidden_tiles)
             # ".cg": other programs wrote `mixed` in this launch, so its lines are read from L2, never from L1.
             rstd = _row_rstd(mixed_ptr, rows, row_ok, HIDDEN, HIDDEN, eps, BLOCK_M, BLOCK_K, NORM_BLOCKS, ".cg")
@@ -622,9 +633,8 @@ def _mlp_block_kernel(
             _store_silu_mul(gate, up, act_ptr, rows, cols, row_ok, col_ok, INTER)
             _signal_tile(gate_up_done + block)
         else:  # out = mixed + activated @ down.T
-            block, column = (tile - gate_up_end) // hidden_tiles, (tile - gate_up_end) % hidden_tiles
-            rows, cols = block * BLOCK_M + tl.arange(0, BLOCK_M), column * BLOCK_N + tl.arange(0, BLOCK_N)
-            row_ok, col_ok = rows < M, cols < HIDDEN
+            block, rows, cols, row_ok, col_ok = _tile_coordinates(tile - gate_up_end, hidden_tiles, M, HIDDEN,
+                                                                  BLOCK_M, BLOCK_N)
             _await_count(gate_up_done + block, inter_tiles)
             residual, bias = _residual_epilogue_inputs(mixed_ptr, o_bias_ptr, rows, cols, row_ok, col_ok, HIDDEN,
                                                        BLOCK_N, False, ".cg")
@@ -637,16 +647,6 @@ def _mlp_block_kernel(
     if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         words = tl.arange(0, SYNC_WORDS)
         tl.store(sync_ptr + words, tl.zeros([SYNC_WORDS], tl.int32), mask=words < 2 + 2 * row_blocks)
-
-
-def _mlp_sync_buffer(device: torch.device, row_blocks: int) -> torch.Tensor:
-    """The launch's zeroed counters, one buffer per device (created on first use, outside any capture, as
-    `_split_buffers`'s)."""
-    if 2 + 2 * row_blocks > _MLP_SYNC_WORDS:
-        raise ValueError(f"mlp_block over {row_blocks} row blocks; its counters hold {(_MLP_SYNC_WORDS - 2) // 2}")
-    if device not in _mlp_sync:
-        _mlp_sync[device] = torch.zeros(_MLP_SYNC_WORDS, dtype=torch.int32, device=device)
-    return _mlp_sync[device]
 
 
 def mlp_block(
@@ -678,7 +678,9 @@ def mlp_block(
     block_m = _block_m(rows)
     block_k, stages, warps = _launch(rows, residual.dtype)
     row_blocks = triton.cdiv(rows, block_m)
-    sync = _mlp_sync_buffer(residual.device, row_blocks)
+    if 2 + 2 * row_blocks > _MLP_SYNC_WORDS:
+        raise ValueError(f"mlp_block over {row_blocks} row blocks; its counters hold {(_MLP_SYNC_WORDS - 2) // 2}")
+    sync = _zeroed_counts(residual.device)  # the split launches' counts: every launch leaves them at zero
     tiles = row_blocks * (2 * triton.cdiv(hidden, MLP_BLOCK_N) + triton.cdiv(inter, MLP_BLOCK_N))
     _mlp_block_kernel[(min(tiles, _sm_count(residual.device)),)](
         attended, o_weight.contiguous(), o_bias if o_bias is not None else o_weight, residual, norm_weight,
