@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -138,10 +139,13 @@ def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch
             (a.float() - b.float()).abs().max().item() for a, b in zip(persistent, reference)
         )
         row["fused_persistent_ms"] = _ms(lambda: _fused_chain(layer_triton, *args))
-        row["mlp_block_persistent_ms"] = _ms(lambda: layer_triton.mlp_block(
-            attended, w["o"], None, x, w["post_norm"], 1e-6, w["gate"], w["up"], w["down"]))
+        def block():
+            return layer_triton.mlp_block(attended, w["o"], None, x, w["post_norm"], 1e-6, w["gate"], w["up"],
+                                          w["down"])
+
+        row["mlp_block_persistent_ms"] = _ms(block)
         if sweep:
-            row["persistent_sweep"] = _sweep_persistent(w, x, attended, reference[1])
+            row["persistent_sweep"] = _sweep_persistent(block, reference[1])
     finally:
         layer_triton.PERSISTENT_MLP = False
     mixed = layer_triton.linear_residual(attended, w["o"], None, x)
@@ -173,14 +177,11 @@ def time_point(name: str, rows: int, sweep: bool, bandwidth: float, dtype: torch
     return row
 
 
-def _sweep_persistent(w: dict, x: torch.Tensor, attended: torch.Tensor, expected: torch.Tensor) -> list[dict]:
-    """`mlp_block`'s persistent launch alone at each of `PERSISTENT_SWEEP`'s settings, checked against `expected`."""
+def _sweep_persistent(block: Callable[[], torch.Tensor], expected: torch.Tensor) -> list[dict]:
+    """`block`, `mlp_block`'s persistent launch alone, at each of `PERSISTENT_SWEEP`'s settings, checked against
+    `expected`."""
     results = []
     chosen = {key: getattr(layer_triton, key) for key in PERSISTENT_SWEEP[0]}
-
-    def block():
-        return layer_triton.mlp_block(attended, w["o"], None, x, w["post_norm"], 1e-6, w["gate"], w["up"], w["down"])
-
     for setting in PERSISTENT_SWEEP:
         for key, value in setting.items():
             setattr(layer_triton, key, value)
